@@ -1,0 +1,24 @@
+# eaglepipe: raw prompts -> traces -> vocab map -> hidden states -> EAGLE-3 draft -> offline acceptance -> report.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+include: "rules/common.smk"
+include: "rules/target.smk"
+include: "rules/prompts.smk"
+include: "rules/traces.smk"
+include: "rules/vocab.smk"
+include: "rules/hidden_states.smk"
+include: "rules/train.smk"
+include: "rules/evaluate.smk"
+include: "rules/report.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        rules.report.output.summary,

@@ -1,0 +1,1 @@
+"""eaglepipe: EAGLE-3 draft training as a reproducible Snakemake pipeline."""

@@ -1,0 +1,47 @@
+"""Configuration: validation against config/schema.yaml, with defaults filled in and errors naming the key."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import yaml
+from jsonschema import Draft202012Validator, validators
+
+SCHEMA = Path(__file__).resolve().parent.parent / "config" / "schema.yaml"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _with_defaults(cls):
+    check_properties = cls.VALIDATORS["properties"]
+
+    def fill(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for key, sub in properties.items():
+                if "default" in sub and key not in instance:
+                    instance[key] = copy.deepcopy(sub["default"])
+        yield from check_properties(validator, properties, instance, schema)
+
+    return validators.extend(cls, {"properties": fill})
+
+
+def validate(config: dict, schema_path=SCHEMA) -> dict:
+    """Fill defaults into `config` in place and check it; raise ConfigError naming the first bad key."""
+    schema = yaml.safe_load(Path(schema_path).read_text())
+    errors = sorted(_with_defaults(Draft202012Validator)(schema).iter_errors(config), key=lambda e: list(e.path))
+    if errors:
+        lines = []
+        for err in errors:
+            key = ".".join(str(p) for p in err.absolute_path) or "(top level)"
+            if err.validator == "additionalProperties":
+                allowed = sorted(err.schema.get("properties", {}))
+                prefix = "" if key == "(top level)" else key + "."
+                for extra in sorted(set(err.instance) - set(allowed)):
+                    lines.append(f"config key {prefix}{extra}: unknown key; allowed here: {', '.join(allowed)}")
+            else:
+                lines.append(f"config key {key}: {err.message}")
+        raise ConfigError("invalid configuration (see config/README.md):\n  " + "\n  ".join(lines))
+    return config

@@ -1,0 +1,1 @@
+"""Engines that run the target model behind one interface (base.py)."""

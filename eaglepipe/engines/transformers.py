@@ -1,0 +1,160 @@
+"""The reference engine on Hugging Face transformers: runs everywhere (CPU, CUDA), checks the others."""
+
+from __future__ import annotations
+
+import gc
+import logging
+from pathlib import Path
+
+import torch
+
+from .base import Capture, Engine, EngineSettings, Generation, Sampling
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_tokenizer(target_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(target_dir))
+
+
+def render_chat(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    """Prompt token ids: the target's chat template with the generation prompt appended."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        **(template_kwargs or {}))
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def convert_gguf(gguf_path, out_dir, *, dtype: str = "bfloat16") -> None:
+    """Dequantise a Llama GGUF into a plain safetensors checkpoint with tokenizer and chat template."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    src, name = str(gguf_path.parent), gguf_path.name
+    quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(src, gguf_file=name)
+    config.architectures = ["LlamaForCausalLM"]
+    config.dtype = dtype
+    # The GGUF loader marks the model quantized and refuses save_pretrained: move its weights to a plain model.
+    model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+    missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
+    missing = [k for k in missing if k != "lm_head.weight" or not config.tie_word_embeddings]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF {gguf_path}: weights did not map onto {config.architectures[0]}: "
+                           f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.generation_config.do_sample = False
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(out_dir)
+
+
+class TransformersEngine(Engine):
+    def __init__(self, target_dir, settings: EngineSettings):
+        from transformers import AutoModelForCausalLM
+
+        self.settings = settings
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        if settings.device.startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeError("config key engine.device is 'cuda' but torch sees no CUDA device; "
+                               "set engine.device: cpu or run on a GPU machine")
+        self.device = torch.device(settings.device)
+        self.tokenizer = load_tokenizer(target_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=DTYPES[settings.dtype])
+        self.model.to(self.device).eval()
+        self.eos_ids = self._eos_ids()
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+
+    def _eos_ids(self) -> list[int]:
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        return sorted({int(e) for e in (eos if isinstance(eos, list) else [eos])})
+
+    def close(self) -> None:
+        del self.model
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _batches(self, sequences: list[list[int]]):
+        """Index batches by length (similar lengths pad least), bounded in sequences and tokens."""
+        order = sorted(range(len(sequences)), key=lambda i: (len(sequences[i]), i))
+        batch: list[int] = []
+        for i in order:
+            longest = max([len(sequences[j]) for j in batch] + [len(sequences[i])])
+            if batch and (len(batch) == self.settings.batch_size
+                          or longest * (len(batch) + 1) > self.settings.max_batch_tokens):
+                yield batch
+                batch = []
+            batch.append(i)
+        if batch:
+            yield batch
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Generation]:
+        results: list[Generation | None] = [None] * len(prompts)
+        for batch_no, batch in enumerate(self._batches([p for p in prompts])):
+            try:
+                outs = self._generate_batch([prompts[i] for i in batch], sampling, seed=sampling.seed + batch_no)
+            except (RuntimeError, ValueError) as err:  # one bad item must not sink its batch: retry one by one
+                log.warning("batch of %d failed (%s); retrying items one by one", len(batch), err)
+                outs = []
+                for i in batch:
+                    try:
+                        outs += self._generate_batch([prompts[i]], sampling, seed=sampling.seed + i)
+                    except (RuntimeError, ValueError) as item_err:
+                        outs.append(Generation(prompt_ids=list(prompts[i]), error=str(item_err)))
+            for i, out in zip(batch, outs):
+                results[i] = out
+        return results
+
+    def _generate_batch(self, prompts: list[list[int]], sampling: Sampling, seed: int) -> list[Generation]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        greedy = sampling.temperature == 0
+        torch.manual_seed(seed)
+        out = self.model.generate(
+            input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+            max_new_tokens=sampling.max_new_tokens, do_sample=not greedy,
+            temperature=None if greedy else sampling.temperature, top_p=None if greedy else sampling.top_p,
+            top_k=None, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
+        ).cpu()
+        results = []
+        for row, p in enumerate(prompts):
+            new = out[row, width:].tolist()
+            finish = "length"
+            for pos, tok in enumerate(new):
+                if tok in self.eos_ids:
+                    new, finish = new[: pos + 1], "stop"  # keep the end token: the target emits it
+                    break
+            results.append(Generation(prompt_ids=list(p), output_ids=new, finish_reason=finish))
+        return results
+
+    @torch.inference_mode()
+    def capture(self, sequences: list[list[int]], layer_ids: list[int]) -> list[Capture]:
+        results: list[Capture | None] = [None] * len(sequences)
+        for batch in self._batches(sequences):
+            width = max(len(sequences[i]) for i in batch)
+            ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, i in enumerate(batch):  # right padding: positions of real tokens are 0..len-1
+                ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
+                mask[row, : len(sequences[i])] = 1
+            out = self.model.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                   output_hidden_states=True)
+            # hidden_states[k] is the input of layer k for k < N; last_hidden_state is after the final norm.
+            aux = torch.stack([out.hidden_states[k] for k in layer_ids], dim=2).to("cpu", torch.bfloat16)
+            final = out.last_hidden_state.to("cpu", torch.bfloat16)
+            for row, i in enumerate(batch):
+                n = len(sequences[i])
+                results[i] = Capture(aux=aux[row, :n].clone(), final=final[row, :n].clone())
+        return results

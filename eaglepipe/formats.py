@@ -1,0 +1,142 @@
+"""Data formats shared by the stages, defined once: trace shards, hidden-state shards, the manifest.
+
+Trace shard (Parquet, one row per conversation), columns:
+    id (str), split (str), messages (JSON str: the prompt conversation), prompt_ids (list<int32>: the exact ids
+    given to the engine), output_ids (list<int32>: the exact ids the engine generated), text (str: decoded output),
+    finish_reason (str: "stop" | "length" | "error"), prompt_tokens (int32), output_tokens (int32),
+    error (str, empty when none). The loss mask of a row is 0 over prompt_ids and 1 over output_ids.
+
+Hidden-state shard (safetensors), packed tokens of one trace shard's successful rows in id order:
+    input_ids  int32  [T]        prompt_ids + output_ids of each row, concatenated
+    loss_mask  uint8  [T]        1 on generated tokens
+    cu_seqlens int64  [S+1]      sequence boundaries: row s spans cu_seqlens[s]:cu_seqlens[s+1]
+    aux        bf16   [T, 3, H]  target hidden states at the aux layer ids ("input of layer k")
+    final      bf16   [T, H]     the target's final hidden state after its final norm
+    metadata (str -> str): ids (JSON list), layer_ids (JSON list), layer_convention, target_fingerprint
+
+Manifest (JSON): {"layer_ids", "layer_convention", "hidden_size", "dtype", "target_fingerprint", "engine",
+    "tokens": {split: n}, "shards": [{"path", "split", "samples", "tokens", "loss_tokens", "sha256"}]}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+LAYER_CONVENTION = "input_of_layer"  # id k = hidden state entering decoder layer k (HF output_hidden_states[k])
+
+TRACE_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("split", pa.string()),
+        ("messages", pa.string()),
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("output_ids", pa.list_(pa.int32())),
+        ("text", pa.string()),
+        ("finish_reason", pa.string()),
+        ("prompt_tokens", pa.int32()),
+        ("output_tokens", pa.int32()),
+        ("error", pa.string()),
+    ]
+)
+
+PROMPT_SCHEMA = pa.schema([("id", pa.string()), ("messages", pa.string()), ("source", pa.string())])
+
+SHARD_KEYS = {"input_ids": torch.int32, "loss_mask": torch.uint8, "cu_seqlens": torch.int64,
+              "aux": torch.bfloat16, "final": torch.bfloat16}
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; rename it to `path` only if the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_json(path, obj) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def write_table(path, rows: list[dict], schema: pa.Schema) -> None:
+    table = pa.Table.from_pylist(rows, schema=schema)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
+
+
+def read_table(path, schema: pa.Schema | None = None) -> list[dict]:
+    table = pq.read_table(path)
+    if schema is not None:
+        missing = set(schema.names) - set(table.column_names)
+        if missing:
+            raise ValueError(f"{path}: missing columns {sorted(missing)}; was it written by another version? "
+                             "Delete it and rerun its rule.")
+    return table.to_pylist()
+
+
+def sha256_file(path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def stable_hash(text: str) -> int:
+    """A 64-bit hash that does not change between runs or machines (unlike Python's hash())."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+
+
+def write_hidden_shard(path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    for key, dtype in SHARD_KEYS.items():
+        if tensors[key].dtype != dtype:
+            raise TypeError(f"hidden-state shard {path}: {key} must be {dtype}, got {tensors[key].dtype}")
+    with atomic_path(path) as tmp:
+        save_file({k: tensors[k].contiguous() for k in SHARD_KEYS}, str(tmp), metadata=metadata)
+
+
+def read_hidden_shard(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Load one hidden-state shard and check its keys, dtypes and shapes against the format."""
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+        missing = set(SHARD_KEYS) - keys
+        if missing:
+            raise ValueError(f"hidden-state shard {path}: missing tensors {sorted(missing)}")
+        tensors = {k: f.get_tensor(k) for k in SHARD_KEYS}
+        metadata = f.metadata() or {}
+    t = tensors["input_ids"].shape[0]
+    cu = tensors["cu_seqlens"]
+    problems = []
+    for key, dtype in SHARD_KEYS.items():
+        if tensors[key].dtype != dtype:
+            problems.append(f"{key} has dtype {tensors[key].dtype}, expected {dtype}")
+    if tensors["loss_mask"].shape != (t,):
+        problems.append(f"loss_mask shape {tuple(tensors['loss_mask'].shape)} != ({t},)")
+    if tensors["aux"].ndim != 3 or tensors["aux"].shape[0] != t:
+        problems.append(f"aux shape {tuple(tensors['aux'].shape)} does not start with {t} tokens")
+    if tensors["final"].ndim != 2 or tensors["final"].shape[0] != t:
+        problems.append(f"final shape {tuple(tensors['final'].shape)} does not start with {t} tokens")
+    if cu.ndim != 1 or cu.numel() < 1 or int(cu[0]) != 0 or int(cu[-1]) != t or bool((cu[1:] < cu[:-1]).any()):
+        problems.append("cu_seqlens is not a non-decreasing sequence from 0 to the token count")
+    if problems:
+        raise ValueError(f"hidden-state shard {path}: " + "; ".join(problems))
+    return tensors, metadata

@@ -1,0 +1,87 @@
+"""Hidden-state stage: the target's aux and final hidden states for the tokens of one trace shard.
+
+Shard and manifest formats are defined in formats.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import torch
+
+from .engines.base import EngineSettings, open_engine
+from .formats import LAYER_CONVENTION, read_hidden_shard, read_table, sha256_file, write_hidden_shard, write_json
+from .target import fingerprint, read_info, resolve_layer_ids
+from .traces import Progress
+
+log = logging.getLogger(__name__)
+
+
+def sequences_of(rows: list[dict], max_length: int) -> tuple[list[str], list[list[int]], list[list[int]]]:
+    """Ids, token sequences and loss masks of the usable rows, truncated to max_length tokens."""
+    ids, seqs, masks = [], [], []
+    for row in rows:
+        if row["error"] or not row["output_ids"]:
+            continue
+        tokens = (list(row["prompt_ids"]) + list(row["output_ids"]))[:max_length]
+        mask = ([0] * len(row["prompt_ids"]) + [1] * len(row["output_ids"]))[:max_length]
+        if sum(mask) == 0:
+            continue  # the prompt alone fills max_length: nothing generated to learn from
+        ids.append(row["id"])
+        seqs.append(tokens)
+        masks.append(mask)
+    return ids, seqs, masks
+
+
+def run(trace_path, output_path, *, target_dir, layer_ids, engine: dict, max_length: int, chunk_size: int) -> None:
+    info = read_info(target_dir)
+    layer_ids = resolve_layer_ids(layer_ids, info)
+    ids, seqs, masks = sequences_of(read_table(trace_path), max_length)
+    progress = Progress(f"hidden states {trace_path}", len(seqs), "tok/s")
+    aux, final = [], []
+    with open_engine(target_dir, EngineSettings.from_config(engine)) as eng:
+        for start in range(0, len(seqs), chunk_size):
+            chunk = seqs[start: start + chunk_size]
+            for cap, seq in zip(eng.capture(chunk, layer_ids), chunk):
+                if cap.aux.shape[:2] != (len(seq), 3) or cap.final.shape[0] != len(seq):
+                    raise RuntimeError(f"engine returned aux {tuple(cap.aux.shape)} / final "
+                                       f"{tuple(cap.final.shape)} for a {len(seq)}-token sequence")
+                aux.append(cap.aux)
+                final.append(cap.final)
+            progress.update(len(chunk), sum(map(len, chunk)))
+    lengths = torch.tensor([0] + [len(s) for s in seqs], dtype=torch.int64)
+    hidden = info.hidden_size
+    tensors = {
+        "input_ids": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
+        "loss_mask": torch.tensor([m for ms in masks for m in ms], dtype=torch.uint8),
+        "cu_seqlens": torch.cumsum(lengths, 0),
+        "aux": torch.cat(aux) if aux else torch.zeros(0, 3, hidden, dtype=torch.bfloat16),
+        "final": torch.cat(final) if final else torch.zeros(0, hidden, dtype=torch.bfloat16),
+    }
+    metadata = {"ids": json.dumps(ids), "layer_ids": json.dumps(layer_ids), "layer_convention": LAYER_CONVENTION,
+                "target_fingerprint": fingerprint(target_dir)}
+    write_hidden_shard(output_path, tensors, metadata)
+
+
+def manifest(shard_paths: dict[str, list[str]], output_path, *, target_dir, engine: str) -> None:
+    """Gather the shards: their checksums and counts, and the settings they were made with."""
+    shards, tokens, layer_ids = [], {}, None
+    for split, paths in shard_paths.items():
+        tokens[split] = 0
+        for path in paths:
+            tensors, meta = read_hidden_shard(path)
+            shard_layers = json.loads(meta["layer_ids"])
+            if layer_ids is not None and shard_layers != layer_ids:
+                raise ValueError(f"{path}: layer ids {shard_layers} differ from other shards' {layer_ids}")
+            layer_ids = shard_layers
+            n = int(tensors["input_ids"].numel())
+            tokens[split] += n
+            shards.append({"path": str(path), "split": split, "samples": len(json.loads(meta["ids"])),
+                           "tokens": n, "loss_tokens": int(tensors["loss_mask"].sum()), "sha256": sha256_file(path)})
+    info = read_info(target_dir)
+    write_json(output_path, {
+        "layer_ids": layer_ids, "layer_convention": LAYER_CONVENTION, "hidden_size": info.hidden_size,
+        "dtype": "bfloat16", "target_fingerprint": fingerprint(target_dir), "engine": engine,
+        "tokens": tokens, "shards": shards,
+    })

@@ -1,0 +1,46 @@
+"""Report stage: one Markdown page with every stage's figures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .formats import atomic_path
+
+
+def _load(path):
+    return json.loads(Path(path).read_text())
+
+
+def summary(*, target: str, trace_stats, coverage, manifest, train_log, acceptance, output_path) -> None:
+    stats, cov, man, acc = _load(trace_stats), _load(coverage), _load(manifest), _load(acceptance)
+    log = [json.loads(line) for line in Path(train_log).read_text().splitlines() if line.strip()]
+    lines = [f"# eaglepipe summary: {target}", "", "## Traces", "",
+             "| split | samples | errors | truncated | prompt tokens | output tokens |", "|---|---|---|---|---|---|"]
+    for split, s in stats.items():
+        lines.append(f"| {split} | {s['samples']} | {s['errors']} | {100 * s['truncated_share']:.1f} % | "
+                     f"{s['prompt_tokens']} | {s['output_tokens']} |")
+    lines += ["", "## Vocabulary", "",
+              f"Draft vocabulary {cov['draft_vocab_size']} of {cov['target_vocab_size']} covers "
+              f"**{100 * cov['coverage']:.2f} %** of {cov['counted_tokens']} generated tokens "
+              f"({cov['distinct_tokens']} distinct).", "", "| size | coverage |", "|---|---|"]
+    lines += [f"| {c['size']} | {100 * c['coverage']:.2f} % |" for c in cov["curve"]]
+    total_bytes = sum(Path(s["path"]).stat().st_size for s in man["shards"] if Path(s["path"]).exists())
+    lines += ["", "## Hidden states", "",
+              f"Layers {man['layer_ids']} ({man['layer_convention']}), {man['dtype']}, hidden {man['hidden_size']}, "
+              f"target fingerprint `{man['target_fingerprint']}`, engine {man['engine']}.",
+              f"Tokens: {', '.join(f'{k} {v}' for k, v in man['tokens'].items())}; {len(man['shards'])} shards, "
+              f"{total_bytes / 1e6:.1f} MB.", "", "## Training", ""]
+    if log:
+        last = log[-1]
+        lines += [f"{last['step']} steps, {last['tokens']} tokens. Last record, per unroll step:", "",
+                  "| step j | " + " | ".join(str(j) for j in range(len(last["loss"]))) + " |",
+                  "|---|" + "---|" * len(last["loss"]),
+                  "| loss | " + " | ".join(f"{v:.3f}" for v in last["loss"]) + " |",
+                  "| acc | " + " | ".join(f"{v:.3f}" for v in last["acc"]) + " |"]
+    lines += ["", "## Offline acceptance (eval split, greedy)", "",
+              f"{acc['positions']} start positions.", "", "| k | tau | P(first k accepted) |", "|---|---|---|"]
+    lines += [f"| {k} | {acc['tau'][str(k)]:.3f} | {acc['per_position'][k - 1]:.3f} |"
+              for k in range(1, acc["max_k"] + 1)]
+    with atomic_path(output_path) as tmp:
+        tmp.write_text("\n".join(lines) + "\n")

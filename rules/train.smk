@@ -1,0 +1,21 @@
+rule train:
+    input:
+        shards=rules.manifest.input.train,
+        manifest=rules.manifest.output[0],
+        vocab=rules.vocab.output.map,
+        target=target_dir(),
+    output:
+        config="results/draft/config.json",
+        model="results/draft/model.safetensors",
+        log="results/draft/train_log.jsonl",
+    params:
+        train=config["train"],
+    threads: config["train"]["threads"]
+    resources:
+        gpu=config["train"]["gpus"],
+    log:
+        "logs/train.log",
+    benchmark:
+        "benchmarks/train.tsv"
+    script:
+        "../scripts/train.py"

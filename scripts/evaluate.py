@@ -1,0 +1,14 @@
+from pathlib import Path
+
+from eaglepipe import evaluate, logs
+
+logs.to_file(snakemake.log[0])
+evaluate.run(
+    list(snakemake.input.shards),
+    Path(snakemake.input.model).parent,
+    snakemake.output[0],
+    target_dir=snakemake.input.target,
+    max_k=snakemake.params.max_k,
+    max_tokens=snakemake.params.max_tokens,
+    threads=snakemake.threads,
+)

@@ -1,0 +1,15 @@
+from eaglepipe import logs, prompts
+
+logs.to_file(snakemake.log[0])
+p = snakemake.params.prompts
+prompts.run(
+    list(snakemake.input.sources),
+    {"train": snakemake.output.train, "eval": snakemake.output.eval},
+    eval_fraction=p["eval_fraction"],
+    max_prompts=p["max_prompts"],
+    max_prompt_tokens=p["max_prompt_tokens"],
+    too_long=p["too_long"],
+    target_dir=snakemake.input.target,
+    system_prompt=p["system_prompt"],
+    template_kwargs=snakemake.params.template_kwargs,
+)
