@@ -36,7 +36,7 @@ class Progress:
             self.last = now
             elapsed = max(now - self.start, 1e-9)
             eta = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
-            log.info("%s: %d/%d, %.1f %s/s, elapsed %.0fs, ETA %.0fs", self.what, self.done, self.total,
+            log.info("%s: %d/%d, %.1f %s, elapsed %.0fs, ETA %.0fs", self.what, self.done, self.total,
                      self.amount / elapsed, self.unit, elapsed, eta)
 
 

@@ -111,7 +111,7 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
             step += 1
             seen += batch.tokens
             for j, (l, correct, count) in enumerate(results):
-                acc_sum[j][0] += float(l) * count
+                acc_sum[j][0] += float(l.detach()) * count
                 acc_sum[j][1] += correct
                 acc_sum[j][2] += count
             if step % settings["log_every"] == 0 or step == total:

@@ -7,7 +7,7 @@ rule hidden_states:
     params:
         engine=config["engine"],
         hidden_states=config["hidden_states"],
-    threads: 2
+    threads: config["engine"]["threads"]
     resources:
         gpu=config["engine"]["gpus"],
     log:

@@ -7,7 +7,7 @@ rule traces:
     params:
         engine=config["engine"],
         generation=config["generation"],
-    threads: 2
+    threads: config["engine"]["threads"]
     resources:
         gpu=config["engine"]["gpus"],
     log:

@@ -41,7 +41,7 @@ class EngineSettings:
     dtype: str = "float32"
     batch_size: int = 16
     max_batch_tokens: int = 8192
-    threads: int = 0  # 0: leave torch's default
+    threads: int = 1
 
     @classmethod
     def from_config(cls, engine: dict) -> "EngineSettings":
