@@ -1,10 +1,13 @@
 # eaglepipe: raw prompts -> traces -> vocab map -> hidden states -> EAGLE-3 draft -> offline acceptance -> report.
+import os
+
 from snakemake.utils import min_version
 
 min_version("9.0")
 
 
-configfile: "config/config.yaml"
+# The shipped defaults, found from the Snakefile so that --directory elsewhere works; --configfile overrides.
+configfile: os.path.join(workflow.basedir, "config", "config.yaml")
 
 
 include: "rules/common.smk"

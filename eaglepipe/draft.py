@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -212,7 +212,3 @@ def load_checkpoint(draft_dir, dtype=torch.float32) -> Eagle3Draft:
     state = load_file(str(draft_dir / "model.safetensors"))
     model.load_state_dict({k: v if v.dtype in (torch.int64, torch.bool) else v.to(dtype) for k, v in state.items()})
     return model.to(dtype)
-
-
-def config_dict(c: DraftConfig) -> dict:
-    return asdict(c)

@@ -12,7 +12,8 @@ Hidden-state shard (safetensors), packed tokens of one trace shard's successful 
     cu_seqlens int64  [S+1]      sequence boundaries: row s spans cu_seqlens[s]:cu_seqlens[s+1]
     aux        bf16   [T, 3, H]  target hidden states at the aux layer ids ("input of layer k")
     final      bf16   [T, H]     the target's final hidden state after its final norm
-    metadata (str -> str): ids (JSON list), layer_ids (JSON list), layer_convention, target_fingerprint
+    metadata: one key "eaglepipe" holding sorted JSON {ids, layer_ids, layer_convention, target_fingerprint}
+        (one key, because safetensors writes a multi-key metadata map in no fixed order: bytes would vary)
 
 Manifest (JSON): {"layer_ids", "layer_convention", "hidden_size", "dtype", "target_fingerprint", "engine",
     "tokens": {split: n}, "shards": [{"path", "split", "samples", "tokens", "loss_tokens", "sha256"}]}
@@ -106,15 +107,16 @@ def stable_hash(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
 
 
-def write_hidden_shard(path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+def write_hidden_shard(path, tensors: dict[str, torch.Tensor], metadata: dict) -> None:
     for key, dtype in SHARD_KEYS.items():
         if tensors[key].dtype != dtype:
             raise TypeError(f"hidden-state shard {path}: {key} must be {dtype}, got {tensors[key].dtype}")
     with atomic_path(path) as tmp:
-        save_file({k: tensors[k].contiguous() for k in SHARD_KEYS}, str(tmp), metadata=metadata)
+        save_file({k: tensors[k].contiguous() for k in SHARD_KEYS}, str(tmp),
+                  metadata={"eaglepipe": json.dumps(metadata, sort_keys=True)})
 
 
-def read_hidden_shard(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def read_hidden_shard(path) -> tuple[dict[str, torch.Tensor], dict]:
     """Load one hidden-state shard and check its keys, dtypes and shapes against the format."""
     with safe_open(str(path), framework="pt") as f:
         keys = set(f.keys())
@@ -122,7 +124,7 @@ def read_hidden_shard(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         if missing:
             raise ValueError(f"hidden-state shard {path}: missing tensors {sorted(missing)}")
         tensors = {k: f.get_tensor(k) for k in SHARD_KEYS}
-        metadata = f.metadata() or {}
+        metadata = json.loads((f.metadata() or {}).get("eaglepipe", "{}"))
     t = tensors["input_ids"].shape[0]
     cu = tensors["cu_seqlens"]
     problems = []

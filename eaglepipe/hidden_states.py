@@ -59,7 +59,7 @@ def run(trace_path, output_path, *, target_dir, layer_ids, engine: dict, max_len
         "aux": torch.cat(aux) if aux else torch.zeros(0, 3, hidden, dtype=torch.bfloat16),
         "final": torch.cat(final) if final else torch.zeros(0, hidden, dtype=torch.bfloat16),
     }
-    metadata = {"ids": json.dumps(ids), "layer_ids": json.dumps(layer_ids), "layer_convention": LAYER_CONVENTION,
+    metadata = {"ids": ids, "layer_ids": layer_ids, "layer_convention": LAYER_CONVENTION,
                 "target_fingerprint": fingerprint(target_dir)}
     write_hidden_shard(output_path, tensors, metadata)
 
@@ -71,13 +71,13 @@ def manifest(shard_paths: dict[str, list[str]], output_path, *, target_dir, engi
         tokens[split] = 0
         for path in paths:
             tensors, meta = read_hidden_shard(path)
-            shard_layers = json.loads(meta["layer_ids"])
+            shard_layers = meta["layer_ids"]
             if layer_ids is not None and shard_layers != layer_ids:
                 raise ValueError(f"{path}: layer ids {shard_layers} differ from other shards' {layer_ids}")
             layer_ids = shard_layers
             n = int(tensors["input_ids"].numel())
             tokens[split] += n
-            shards.append({"path": str(path), "split": split, "samples": len(json.loads(meta["ids"])),
+            shards.append({"path": str(path), "split": split, "samples": len(meta["ids"]),
                            "tokens": n, "loss_tokens": int(tensors["loss_mask"].sum()), "sha256": sha256_file(path)})
     info = read_info(target_dir)
     write_json(output_path, {

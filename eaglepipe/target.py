@@ -62,9 +62,9 @@ def resolve_layer_ids(layer_ids, info: TargetInfo) -> list[int]:
     """Aux layer ids in "input of layer k" numbering; None means the EAGLE-3 default (2, N//2, N-3)."""
     ids = list(layer_ids) if layer_ids else info.default_layer_ids()
     bad = [k for k in ids if not 0 <= k < info.num_layers]
-    if len(ids) != 3 or bad:
-        raise ValueError(f"config key hidden_states.aux_layer_ids: {ids} must be 3 ids in [0, {info.num_layers - 1}] "
-                         f"for a target with {info.num_layers} layers")
+    if len(ids) != 3 or bad or ids != sorted(set(ids)):
+        raise ValueError(f"config key hidden_states.aux_layer_ids: {ids} must be 3 increasing ids in "
+                         f"[0, {info.num_layers - 1}] for a target with {info.num_layers} layers")
     return ids
 
 

@@ -34,7 +34,3 @@ def target_dir():
 
 def shards(pattern, splits=SPLITS):
     return expand(pattern, split=splits, i=SHARDS)
-
-
-def engine_settings(threads):
-    return {**config["engine"], "threads": threads}

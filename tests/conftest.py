@@ -1,0 +1,86 @@
+"""Shared fixtures: the real embedded target (fetched once per session) and a tiny random Llama beside it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> Path:
+    """The embedded default target, built by the target stage's own code (download, sha256, GGUF conversion)."""
+    cached = os.environ.get("EAGLEPIPE_TEST_TARGET")
+    if cached and Path(cached, "config.json").is_file():
+        return Path(cached)
+    from eaglepipe.target import fetch_embedded
+
+    out = tmp_path_factory.mktemp("targets") / "smollm2-135m"
+    fetch_embedded(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_target(smollm2, tmp_path_factory) -> Path:
+    """An 8-layer random-weight Llama with SmolLM2's tokenizer and chat template: fast, real architecture."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("targets") / "tiny-llama"
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        shutil.copy(smollm2 / name, out / name)
+    return out
+
+
+def tiny_config(target_path: Path, **overrides) -> dict:
+    """A small, fast configuration for workflow tests."""
+    config = {
+        "target": {"name": "tiny", "path": str(target_path)},
+        "prompts": {"max_prompts": 24},
+        "generation": {"max_new_tokens": 12, "num_shards": 2, "chunk_size": 8},
+        "vocab": {"draft_vocab_size": 512, "curve_sizes": [64, 256]},
+        "hidden_states": {"max_length": 128},
+        "train": {"epochs": 1, "ttt_steps": 2, "max_batch_tokens": 256, "log_every": 2, "threads": 1},
+        "evaluate": {"max_k": 3},
+    }
+    for section, values in overrides.items():
+        config.setdefault(section, {}).update(values)
+    return config
+
+
+def snakemake(workdir: Path, config: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Run the real workflow in `workdir` with `config` layered over the shipped defaults."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    cfg = workdir / "test-config.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir), "--cores", "2", *args,
+           "--configfile", str(REPO / "config" / "config.yaml"), str(cfg)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise AssertionError(f"snakemake failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result
+
+
+def planned_rules(workdir: Path, config: dict) -> set[str]:
+    """Rules a dry run would execute."""
+    result = snakemake(workdir, config, "-n", "--quiet", "rules")
+    out = result.stdout + result.stderr
+    rules = set()
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit() and parts[0] not in ("job", "total"):
+            rules.add(parts[0])
+    return rules

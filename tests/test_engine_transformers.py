@@ -1,0 +1,34 @@
+import torch
+
+from eaglepipe.engines.base import EngineSettings, Sampling, open_engine
+
+
+def test_capture_numbers_layers_as_their_input_and_final_after_norm(tiny_target):
+    from transformers import AutoModelForCausalLM
+
+    seq = [1, 42, 7, 300, 9, 12]
+    with open_engine(tiny_target, EngineSettings()) as eng:
+        cap = eng.capture([seq], [0, 2, 3])[0]
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32)
+    with torch.no_grad():
+        hs = model(torch.tensor([seq]), output_hidden_states=True).hidden_states
+    for n, k in enumerate([0, 2, 3]):
+        torch.testing.assert_close(cap.aux[:, n].float(), hs[k][0], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(cap.final.float(), hs[-1][0], rtol=2e-2, atol=2e-2)
+    assert not torch.allclose(cap.aux[:, 2].float(), hs[4][0], rtol=2e-2, atol=2e-2)  # id 3 is not layer 3's output
+
+
+def test_batched_capture_and_generation_equal_one_by_one(tiny_target):
+    seqs = [[1, 5, 9, 200, 31], [1, 77], [1, 8, 8, 8, 8, 8, 8, 8, 8]]
+    with open_engine(tiny_target, EngineSettings(batch_size=8)) as eng:
+        batched = eng.capture(seqs, [1, 2, 3])
+        single = [eng.capture([s], [1, 2, 3])[0] for s in seqs]
+        for b, s in zip(batched, single):
+            torch.testing.assert_close(b.aux.float(), s.aux.float(), rtol=2e-2, atol=2e-2)
+        gens = eng.generate(seqs, Sampling(max_new_tokens=6))
+        alone = [eng.generate([s], Sampling(max_new_tokens=6))[0] for s in seqs]
+    for g, a, s in zip(gens, alone, seqs):
+        assert g.prompt_ids == s
+        assert g.output_ids == a.output_ids
+        assert g.finish_reason in ("stop", "length") and not g.error
+        assert len(g.output_ids) == 6 or g.output_ids[-1] == 2

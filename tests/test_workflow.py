@@ -1,0 +1,106 @@
+"""The real workflow, run by Snakemake on a tiny random Llama: artifacts, incremental rebuilds, determinism."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import planned_rules, snakemake, tiny_config
+from eaglepipe.formats import read_hidden_shard, read_table, sha256_file
+
+DETERMINISTIC = [
+    "results/traces/train/shard-0.parquet", "results/traces/eval/shard-1.parquet",
+    "results/vocab/vocab_map.safetensors", "results/hidden_states/train/shard-0.safetensors",
+    "results/hidden_states/eval/shard-1.safetensors", "results/draft/model.safetensors",
+    "results/draft/config.json", "results/draft/train_log.jsonl", "results/eval/acceptance.json",
+]
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, tiny_target):
+    workdir = tmp_path_factory.mktemp("run1")
+    config = tiny_config(tiny_target)
+    snakemake(workdir, config)
+    return workdir, config
+
+
+def test_every_artifact_is_produced_and_consistent(first_run):
+    workdir, _ = first_run
+    stats = json.loads((workdir / "results/traces/stats.json").read_text())
+    n_prompts = sum(len(read_table(workdir / f"results/prompts/{s}.parquet")) for s in ("train", "eval"))
+    assert stats["train"]["samples"] + stats["eval"]["samples"] == n_prompts == 24
+    row = read_table(workdir / "results/traces/train/shard-0.parquet")[0]
+    assert row["prompt_ids"][:1] == [1] and 0 < row["output_tokens"] <= 12
+    manifest = json.loads((workdir / "results/hidden_states/manifest.json").read_text())
+    assert manifest["layer_ids"] == [2, 8 // 2, 8 - 3]
+    assert manifest["layer_convention"] == "input_of_layer"
+    for shard in manifest["shards"]:
+        path = workdir / shard["path"]
+        assert sha256_file(path) == shard["sha256"]
+        tensors, meta = read_hidden_shard(path)
+        assert tensors["aux"].shape[1:] == (3, 64) and tensors["final"].shape[1] == 64
+        assert int(tensors["loss_mask"].sum()) == shard["loss_tokens"] > 0
+    train_tokens = sum(s["tokens"] for s in manifest["shards"] if s["split"] == "train")
+    assert manifest["tokens"]["train"] == train_tokens
+    config = json.loads((workdir / "results/draft/config.json").read_text())
+    assert config["draft_vocab_size"] == 512 and config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    log = [json.loads(line) for line in (workdir / "results/draft/train_log.jsonl").read_text().splitlines()]
+    assert log and len(log[-1]["loss"]) == 2 and len(log[-1]["acc"]) == 2
+    acceptance = json.loads((workdir / "results/eval/acceptance.json").read_text())
+    assert set(acceptance["tau"]) == {"1", "2", "3"} and acceptance["positions"] > 0
+    summary = (workdir / "results/report/summary.md").read_text()
+    assert "Offline acceptance" in summary and "Draft vocabulary 512" in summary
+
+
+def test_nothing_to_do_after_a_full_run(first_run):
+    workdir, config = first_run
+    assert planned_rules(workdir, config) == set()
+
+
+def test_vocab_size_change_reruns_only_vocab_and_what_follows(first_run):
+    workdir, config = first_run
+    changed = tiny_config(config["target"]["path"], vocab={"draft_vocab_size": 256})
+    assert planned_rules(workdir, changed) == {"vocab", "train", "evaluate", "report", "all"}
+
+
+def test_layer_id_change_reruns_extraction_but_not_generation(first_run):
+    workdir, config = first_run
+    changed = tiny_config(config["target"]["path"], hidden_states={"aux_layer_ids": [1, 2, 3], "max_length": 128})
+    rules = planned_rules(workdir, changed)
+    assert {"hidden_states", "manifest", "train", "evaluate"} <= rules
+    assert not rules & {"prompts", "traces", "vocab", "trace_stats"}
+
+
+def test_rebuild_gives_byte_identical_files(first_run, tmp_path):
+    workdir, config = first_run
+    snakemake(tmp_path, config, "results/eval/acceptance.json")
+    for name in DETERMINISTIC:
+        assert sha256_file(workdir / name) == sha256_file(tmp_path / name), f"{name} differs between two builds"
+
+
+def test_bad_prompt_file_fails_the_rule_and_leaves_no_output(tmp_path, tiny_target):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": "unterminated\n')
+    config = tiny_config(tiny_target, prompts={"sources": [str(bad)]})
+    result = snakemake(tmp_path / "run", config, "results/prompts/train.parquet", check=False)
+    assert result.returncode != 0
+    log = (tmp_path / "run/logs/prompts.log").read_text()
+    assert f"{bad}, row 2: not valid JSON" in log
+    assert not list((tmp_path / "run").glob("results/prompts/*"))
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"vocab": {"draft_vocab_sise": 10}}, "config key vocab.draft_vocab_sise: unknown key"),
+        ({"train": {"epochs": "two"}}, "config key train.epochs: 'two' is not of type 'integer'"),
+        ({"target": {"path": "/no/such/checkpoint"}}, "config key target.path: '/no/such/checkpoint' is not a checkpoint"),
+    ],
+    ids=["unknown-key", "wrong-type", "missing-target"],
+)
+def test_bad_config_is_named_before_anything_runs(tmp_path, tiny_target, override, message):
+    config = tiny_config(tiny_target, **override)
+    result = snakemake(tmp_path, config, "-n", check=False)
+    assert result.returncode != 0
+    assert message in result.stdout + result.stderr
+    assert not (tmp_path / "results").exists()
