@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -66,7 +67,8 @@ def init_draft(target_dir, config: DraftConfig, vocab: dict, seed: int) -> Eagle
 def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: list[int], settings: dict,
         threads: int) -> None:
     torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(True)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, set before CUDA starts
+    torch.use_deterministic_algorithms(True, warn_only=True)
     device = torch.device(settings["device"])
     info = read_info(target_dir)
     vocab = vocab_map.load(vocab_path)
