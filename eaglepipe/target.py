@@ -107,6 +107,13 @@ def load_lm_head(target_dir) -> torch.Tensor:
     return _load_tensor(target_dir, wanted)
 
 
+def load_final_norm(target_dir) -> tuple[torch.Tensor, float]:
+    """The target's final RMSNorm weight [H] and epsilon."""
+    info = read_info(target_dir)
+    weight = _load_tensor(Path(target_dir), ["model.norm.weight", "language_model.model.norm.weight"])
+    return weight, float(info.config.get("rms_norm_eps", 1e-6))
+
+
 def load_embeddings(target_dir) -> torch.Tensor:
     return _load_tensor(Path(target_dir), ["model.embed_tokens.weight", "language_model.model.embed_tokens.weight"])
 

@@ -1,13 +1,15 @@
 from eaglepipe import hidden_states, logs
 
-logs.to_file(snakemake.log[0])
-h = snakemake.params.hidden_states
-hidden_states.run(
-    snakemake.input.traces,
-    snakemake.output[0],
-    target_dir=snakemake.input.target,
-    layer_ids=h["aux_layer_ids"],
-    engine={**snakemake.params.engine, "threads": snakemake.threads},
-    max_length=h["max_length"],
-    chunk_size=h["chunk_size"],
-)
+# The guard keeps vLLM's spawned processes from re-running the job when they import this script.
+if __name__ == "__main__":
+    logs.to_file(snakemake.log[0])
+    h = snakemake.params.hidden_states
+    hidden_states.run(
+        snakemake.input.traces,
+        snakemake.output[0],
+        target_dir=snakemake.input.target,
+        layer_ids=h["aux_layer_ids"],
+        engine={**snakemake.params.engine, "threads": snakemake.threads},
+        max_length=h["max_length"],
+        chunk_size=h["chunk_size"],
+    )

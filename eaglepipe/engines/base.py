@@ -42,6 +42,13 @@ class EngineSettings:
     batch_size: int = 16
     max_batch_tokens: int = 8192
     threads: int = 1
+    # vLLM only
+    tensor_parallel_size: int = 1
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.85
+    enforce_eager: bool = True
+    seed: int = 0
+    cpu_kvcache_gib: float = 2.0
 
     @classmethod
     def from_config(cls, engine: dict) -> "EngineSettings":
@@ -71,4 +78,8 @@ def open_engine(target_dir, settings: EngineSettings) -> Engine:
         from .transformers import TransformersEngine
 
         return TransformersEngine(target_dir, settings)
-    raise ValueError(f"config key engine.name: unknown engine {settings.name!r}; use 'transformers'")
+    if settings.name == "vllm":
+        from .vllm import VllmEngine
+
+        return VllmEngine(target_dir, settings)
+    raise ValueError(f"config key engine.name: unknown engine {settings.name!r}; use 'transformers' or 'vllm'")
