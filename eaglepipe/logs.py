@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 
 def to_file(path) -> None:
-    """Send log records, warnings and an uncaught error to `path` (the rule's log) and to stderr."""
-    handlers = [logging.StreamHandler(sys.stderr)]
+    """Send everything the job prints to `path` (the rule's log): log records with timestamps, warnings, an
+    uncaught error's traceback, and the output of processes it starts (vLLM's engine and workers)."""
     if path:
-        handlers.append(logging.FileHandler(path, mode="w"))
+        log_file = open(path, "a", buffering=1)
+        os.dup2(log_file.fileno(), 2)  # file descriptor level, so child processes write here too
+        sys.stderr = log_file
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        handlers=handlers, force=True)
+                        handlers=[logging.StreamHandler(sys.stderr)], force=True)
     logging.captureWarnings(True)
-
-    def log_uncaught(kind, value, tb):
-        logging.getLogger("eaglepipe").error("%s: %s", kind.__name__, value, exc_info=(kind, value, tb))
-
-    sys.excepthook = log_uncaught

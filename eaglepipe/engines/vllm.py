@@ -36,6 +36,7 @@ class VllmEngine(Engine):
         self.settings = settings
         self.info = read_info(target_dir)
         self.llm = None
+        self.max_model_len = settings.max_model_len
         self.capture_ids: list[int] | None = None
         self.spool = Path(tempfile.mkdtemp(prefix="eaglepipe-vllm-"))
         if settings.device == "cpu":
@@ -52,7 +53,8 @@ class VllmEngine(Engine):
         from vllm import LLM
 
         s = self.settings
-        kwargs = dict(model=self.target_dir, tensor_parallel_size=s.tensor_parallel_size, max_model_len=s.max_model_len,
+        self.max_model_len = min(s.max_model_len, self.info.max_position_embeddings)
+        kwargs = dict(model=self.target_dir, tensor_parallel_size=s.tensor_parallel_size, max_model_len=self.max_model_len,
                       enforce_eager=s.enforce_eager, seed=s.seed, max_num_seqs=s.batch_size,
                       max_num_batched_tokens=max(s.max_batch_tokens, s.max_model_len), dtype=s.dtype,
                       enable_prefix_caching=False)
@@ -106,9 +108,8 @@ class VllmEngine(Engine):
         results = [Generation(prompt_ids=list(p)) for p in prompts]
         runnable = []
         for i, p in enumerate(prompts):
-            if len(p) + 1 > self.settings.max_model_len:
-                results[i].error = (f"prompt of {len(p)} tokens does not fit engine.max_model_len "
-                                    f"{self.settings.max_model_len}")
+            if len(p) + 1 > self.max_model_len:
+                results[i].error = f"prompt of {len(p)} tokens does not fit the engine's context {self.max_model_len}"
             else:
                 runnable.append(i)
         outs = self._run(llm, [TokensPrompt(prompt_token_ids=list(prompts[i])) for i in runnable], params)
@@ -145,10 +146,10 @@ class VllmEngine(Engine):
 
         n = self.info.num_layers
         llm = self._start(sorted(set(layer_ids)) + [n])  # vLLM returns captured layers in ascending id order
-        too_long = [len(s) for s in sequences if len(s) + 1 > self.settings.max_model_len]
+        too_long = [len(s) for s in sequences if len(s) + 1 > self.max_model_len]
         if too_long:
-            raise ValueError(f"a {max(too_long)}-token sequence does not fit engine.max_model_len "
-                             f"{self.settings.max_model_len}; raise it or lower hidden_states.max_length")
+            raise ValueError(f"a {max(too_long)}-token sequence does not fit the engine's context "
+                             f"{self.max_model_len}; raise engine.max_model_len or lower hidden_states.max_length")
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         outs = llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False)
         req_ids = [Path(o.kv_transfer_params["hidden_states_path"]).stem for o in outs]
