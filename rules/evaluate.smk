@@ -1,6 +1,7 @@
 rule evaluate:
     input:
         shards=rules.manifest.input.eval,
+        validation=rules.validate_shards.output[0],
         config=rules.train.output.config,
         model=rules.train.output.model,
         target=target_dir(),

@@ -31,3 +31,18 @@ rule manifest:
         "logs/manifest.log",
     script:
         "../scripts/manifest.py"
+
+
+rule validate_shards:
+    input:
+        manifest=rules.manifest.output[0],
+        shards=rules.manifest.input.train + rules.manifest.input.eval,
+        traces=shards("results/traces/{split}/shard-{i}.parquet"),
+    output:
+        "results/hidden_states/validation.json",
+    params:
+        max_length=config["hidden_states"]["max_length"],
+    log:
+        "logs/validate_shards.log",
+    script:
+        "../scripts/validate_shards.py"

@@ -2,6 +2,7 @@ rule train:
     input:
         shards=rules.manifest.input.train,
         manifest=rules.manifest.output[0],
+        validation=rules.validate_shards.output[0],
         vocab=rules.vocab.output.map,
         target=target_dir(),
     output:

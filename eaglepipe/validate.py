@@ -1,0 +1,66 @@
+"""Validation stage: every hidden-state shard against the manifest and its trace shard, before training reads it.
+
+A shard passes when its sha256 equals the manifest's, its tensors have the format's keys, dtypes and shapes, its
+tokens are exactly the trace rows' tokens (same ids, same order, same truncation), its layer ids and target
+fingerprint are the manifest's, and its hidden states hold no NaN or Inf. validation.json lists each shard's checks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from .formats import read_hidden_shard, read_table, sha256_file, write_json
+from .hidden_states import sequences_of
+
+log = logging.getLogger(__name__)
+
+
+class ShardError(ValueError):
+    pass
+
+
+def check_shard(entry: dict, manifest: dict, trace_path, max_length: int) -> None:
+    """Raise ShardError naming the shard and what is wrong with it."""
+    path = Path(entry["path"])
+    where = f"hidden-state shard {path}"
+    if not path.is_file():
+        raise ShardError(f"{where}: missing; rerun its hidden_states job")
+    digest = sha256_file(path)
+    if digest != entry["sha256"]:
+        raise ShardError(f"{where}: sha256 {digest[:12]}... differs from the manifest's {entry['sha256'][:12]}...; "
+                         "the file changed after extraction (corrupt copy?): delete it and rerun")
+    try:
+        tensors, meta = read_hidden_shard(path)
+    except Exception as err:  # safetensors raises its own types for damaged headers
+        raise ShardError(f"{where}: unreadable ({err})") from None
+    if meta.get("layer_ids") != manifest["layer_ids"] or meta.get("target_fingerprint") != manifest["target_fingerprint"]:
+        raise ShardError(f"{where}: layer ids {meta.get('layer_ids')} / target {meta.get('target_fingerprint')} "
+                         f"differ from the manifest's {manifest['layer_ids']} / {manifest['target_fingerprint']}")
+    ids, seqs, masks = sequences_of(read_table(trace_path), max_length)
+    expected = torch.tensor([t for s in seqs for t in s], dtype=torch.int32)
+    if meta.get("ids") != ids or not torch.equal(tensors["input_ids"], expected):
+        raise ShardError(f"{where}: its tokens are not those of {trace_path} ({tensors['input_ids'].numel()} vs "
+                         f"{expected.numel()} tokens); rerun its hidden_states job")
+    if int(tensors["loss_mask"].sum()) != sum(map(sum, masks)) or entry["tokens"] != expected.numel():
+        raise ShardError(f"{where}: loss-mask or token counts differ from the traces and the manifest")
+    for key in ("aux", "final"):
+        bad = ~torch.isfinite(tensors[key])
+        if bad.any():
+            position = int(bad.nonzero()[0][0])
+            raise ShardError(f"{where}: {int(bad.sum())} NaN/Inf values in '{key}', first at token {position}")
+
+
+def run(manifest_path, trace_paths: dict[str, str], output_path, *, max_length: int) -> None:
+    manifest = json.loads(Path(manifest_path).read_text())
+    checked = []
+    for entry in manifest["shards"]:
+        name = Path(entry["path"]).relative_to(Path(entry["path"]).parents[1]).with_suffix("").as_posix()
+        check_shard(entry, manifest, trace_paths[name], max_length)
+        checked.append({"path": entry["path"], "sha256": entry["sha256"], "tokens": entry["tokens"], "ok": True})
+        log.info("%s ok (%d tokens)", entry["path"], entry["tokens"])
+    write_json(output_path, {"shards": checked, "checks": ["sha256", "format", "tokens match traces",
+                                                           "layer ids and target", "finite"]})
