@@ -18,6 +18,7 @@ include: "rules/vocab.smk"
 include: "rules/hidden_states.smk"
 include: "rules/train.smk"
 include: "rules/evaluate.smk"
+include: "rules/bench.smk"
 include: "rules/report.smk"
 
 
@@ -25,3 +26,4 @@ rule all:
     default_target: True
     input:
         rules.report.output.summary,
+        rules.bench.output[0],

@@ -48,6 +48,10 @@ def test_every_artifact_is_produced_and_consistent(first_run):
     assert log and len(log[-1]["loss"]) == 2 and len(log[-1]["acc"]) == 2
     acceptance = json.loads((workdir / "results/eval/acceptance.json").read_text())
     assert set(acceptance["tau"]) == {"1", "2", "3"} and acceptance["positions"] > 0
+    served = json.loads((workdir / "results/bench/served.json").read_text())
+    k2 = served["k"]["2"]
+    assert k2["drafts"] > 0 and len(k2["per_position"]) == 2 and k2["offline_tau"] == acceptance["tau"]["2"]
+    assert served["baseline_tok_s"]["batch_1"] > 0 and k2["speedup"]["batch_4"] > 0
     summary = (workdir / "results/report/summary.md").read_text()
     assert "Offline acceptance" in summary and "Draft vocabulary 512" in summary
 
@@ -60,7 +64,7 @@ def test_nothing_to_do_after_a_full_run(first_run):
 def test_vocab_size_change_reruns_only_vocab_and_what_follows(first_run):
     workdir, config = first_run
     changed = tiny_config(config["target"]["path"], vocab={"draft_vocab_size": 256})
-    assert planned_rules(workdir, changed) == {"vocab", "train", "evaluate", "report", "all"}
+    assert planned_rules(workdir, changed) == {"vocab", "train", "evaluate", "bench", "report", "all"}
 
 
 def test_layer_id_change_reruns_extraction_but_not_generation(first_run):

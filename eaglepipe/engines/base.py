@@ -49,6 +49,8 @@ class EngineSettings:
     enforce_eager: bool = True
     seed: int = 0
     cpu_kvcache_gib: float = 2.0
+    draft: str | None = None  # an EAGLE-3 draft checkpoint: generate with speculative decoding (vLLM)
+    num_speculative_tokens: int = 3
 
     @classmethod
     def from_config(cls, engine: dict) -> "EngineSettings":

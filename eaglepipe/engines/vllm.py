@@ -62,6 +62,10 @@ class VllmEngine(Engine):
             kwargs["kv_cache_memory_bytes"] = int(s.cpu_kvcache_gib * 2**30)
         else:
             kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
+        if s.draft is not None:
+            kwargs["speculative_config"] = {"method": "eagle3", "model": str(s.draft),
+                                             "num_speculative_tokens": s.num_speculative_tokens}
+            kwargs["disable_log_stats"] = False  # the spec-decode counters come from vLLM's stat logging
         if capture_ids is not None:
             kwargs["speculative_config"] = {
                 "method": "extract_hidden_states", "num_speculative_tokens": 1,
@@ -139,6 +143,22 @@ class VllmEngine(Engine):
             except (ValueError, RuntimeError) as err:
                 outs.append(err)
         return outs
+
+    def spec_counters(self) -> dict:
+        """vLLM's cumulative speculative-decoding counters: drafts, draft_tokens, accepted_tokens, accepted_per_pos."""
+        counters = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_pos": []}
+        if self.settings.draft is None:
+            return counters
+        prefix = "vllm:spec_decode_num_"
+        for metric in self._start(self.capture_ids).get_metrics():
+            if not metric.name.startswith(prefix):
+                continue
+            key = metric.name[len(prefix):]
+            if key == "accepted_tokens_per_pos":
+                counters["accepted_per_pos"] = [int(v) for v in metric.values]
+            elif key in counters:
+                counters[key] = int(metric.value)
+        return counters
 
     def capture(self, sequences: list[list[int]], layer_ids: list[int]) -> list[Capture]:
         from vllm import SamplingParams
