@@ -26,4 +26,3 @@ rule all:
     default_target: True
     input:
         rules.report.output.summary,
-        rules.bench.output[0],

@@ -12,7 +12,7 @@ def _load(path):
     return json.loads(Path(path).read_text())
 
 
-def summary(*, target: str, trace_stats, coverage, manifest, train_log, acceptance, output_path) -> None:
+def summary(*, target: str, trace_stats, coverage, manifest, train_log, acceptance, output_path, served=None) -> None:
     stats, cov, man, acc = _load(trace_stats), _load(coverage), _load(manifest), _load(acceptance)
     log = [json.loads(line) for line in Path(train_log).read_text().splitlines() if line.strip()]
     lines = [f"# eaglepipe summary: {target}", "", "## Traces", "",
@@ -42,5 +42,22 @@ def summary(*, target: str, trace_stats, coverage, manifest, train_log, acceptan
               f"{acc['positions']} start positions.", "", "| k | tau | P(first k accepted) |", "|---|---|---|"]
     lines += [f"| {k} | {acc['tau'][str(k)]:.3f} | {acc['per_position'][k - 1]:.3f} |"
               for k in range(1, acc["max_k"] + 1)]
+    if served is not None:
+        lines += served_section(_load(served))
     with atomic_path(output_path) as tmp:
         tmp.write_text("\n".join(lines) + "\n")
+
+
+def served_section(bench: dict) -> list[str]:
+    batch = f"batch_{bench['batch_size']}"
+    lines = ["", "## Served through vLLM (eval prompts, greedy)", "",
+              f"{bench['prompts']} prompts, {bench['max_new_tokens']} new tokens; without the draft: "
+              f"{bench['baseline_tok_s']['batch_1']:.1f} tok/s at batch 1, {bench['baseline_tok_s'][batch]:.1f} at "
+              f"{batch.replace('_', ' ')}.", "",
+              "| k | served tau | offline tau | agrees | tok/s batch 1 | speedup batch 1 | speedup " +
+              batch.replace("_", " ") + " |", "|---|---|---|---|---|---|---|"]
+    for k, r in bench["k"].items():
+        offline = f"{r['offline_tau']:.3f}" if r["offline_tau"] is not None else "-"
+        lines.append(f"| {k} | {r['served_tau']:.3f} | {offline} | {'yes' if r['agrees'] else 'NO'} | "
+                     f"{r['tok_s']['batch_1']:.1f} | {r['speedup']['batch_1']:.2f}x | {r['speedup'][batch]:.2f}x |")
+    return lines

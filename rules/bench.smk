@@ -1,4 +1,6 @@
 rule bench:
+    conda:
+        "../envs/eaglepipe.yaml"
     input:
         prompts="results/prompts/eval.parquet",
         config=rules.train.output.config,

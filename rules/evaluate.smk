@@ -1,4 +1,6 @@
 rule evaluate:
+    conda:
+        "../envs/eaglepipe.yaml"
     input:
         shards=rules.manifest.input.eval,
         validation=rules.validate_shards.output[0],

@@ -1,4 +1,6 @@
 rule hidden_states:
+    conda:
+        "../envs/eaglepipe.yaml"
     input:
         traces="results/traces/{split}/shard-{i}.parquet",
         target=target_dir(),
@@ -19,6 +21,8 @@ rule hidden_states:
 
 
 rule manifest:
+    conda:
+        "../envs/eaglepipe.yaml"
     input:
         train=shards("results/hidden_states/{split}/shard-{i}.safetensors", ["train"]),
         eval=shards("results/hidden_states/{split}/shard-{i}.safetensors", ["eval"]),
@@ -34,6 +38,8 @@ rule manifest:
 
 
 rule validate_shards:
+    conda:
+        "../envs/eaglepipe.yaml"
     input:
         manifest=rules.manifest.output[0],
         shards=rules.manifest.input.train + rules.manifest.input.eval,

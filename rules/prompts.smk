@@ -1,4 +1,6 @@
 rule prompts:
+    conda:
+        "../envs/eaglepipe.yaml"
     input:
         target=target_dir(),
         sources=config["prompts"]["sources"],

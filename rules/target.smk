@@ -1,4 +1,6 @@
 rule target:
+    conda:
+        "../envs/eaglepipe.yaml"
     output:
         directory(EMBEDDED_TARGET),
     log:

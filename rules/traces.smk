@@ -1,4 +1,6 @@
 rule traces:
+    conda:
+        "../envs/eaglepipe.yaml"
     input:
         prompts="results/prompts/{split}.parquet",
         target=target_dir(),
@@ -19,6 +21,8 @@ rule traces:
 
 
 rule trace_stats:
+    conda:
+        "../envs/eaglepipe.yaml"
     input:
         shards("results/traces/{split}/shard-{i}.parquet"),
     output:

@@ -1,4 +1,6 @@
 rule train:
+    conda:
+        "../envs/eaglepipe.yaml"
     input:
         shards=rules.manifest.input.train,
         manifest=rules.manifest.output[0],

@@ -1,4 +1,6 @@
 rule vocab:
+    conda:
+        "../envs/eaglepipe.yaml"
     input:
         traces=shards("results/traces/{split}/shard-{i}.parquet", ["train"]),
         target=target_dir(),

@@ -53,7 +53,7 @@ def test_every_artifact_is_produced_and_consistent(first_run):
     assert k2["drafts"] > 0 and len(k2["per_position"]) == 2 and k2["offline_tau"] == acceptance["tau"]["2"]
     assert served["baseline_tok_s"]["batch_1"] > 0 and k2["speedup"]["batch_4"] > 0
     summary = (workdir / "results/report/summary.md").read_text()
-    assert "Offline acceptance" in summary and "Draft vocabulary 512" in summary
+    assert "Offline acceptance" in summary and "Draft vocabulary 512" in summary and "Served through vLLM" in summary
 
 
 def test_nothing_to_do_after_a_full_run(first_run):
