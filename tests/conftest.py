@@ -56,7 +56,7 @@ def tiny_config(target_path: Path, **overrides) -> dict:
         "hidden_states": {"max_length": 128},
         "train": {"epochs": 1, "ttt_steps": 2, "max_batch_tokens": 256, "log_every": 2, "threads": 1},
         "evaluate": {"max_k": 3},
-        "engine": {"cpu_kvcache_gib": 1},
+        "engine": {"name": "transformers", "cpu_kvcache_gib": 1},
         "bench": {"ks": [2], "batch_size": 4, "batch1_prompts": 2, "max_prompts": 4, "max_new_tokens": 8},
     }
     for section, values in overrides.items():
