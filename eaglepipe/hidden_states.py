@@ -5,13 +5,12 @@ Shard and manifest formats are defined in formats.py.
 
 from __future__ import annotations
 
-import json
 import logging
 
 import torch
 
 from .engines.base import EngineSettings, open_engine
-from .formats import LAYER_CONVENTION, read_hidden_shard, read_table, sha256_file, write_hidden_shard, write_json
+from .formats import LAYER_CONVENTION, TRACE_SCHEMA, read_hidden_shard, read_table, sha256_file, write_hidden_shard, write_json
 from .target import fingerprint, read_info, resolve_layer_ids
 from .traces import Progress
 
@@ -37,7 +36,7 @@ def sequences_of(rows: list[dict], max_length: int) -> tuple[list[str], list[lis
 def run(trace_path, output_path, *, target_dir, layer_ids, engine: dict, max_length: int, chunk_size: int) -> None:
     info = read_info(target_dir)
     layer_ids = resolve_layer_ids(layer_ids, info)
-    ids, seqs, masks = sequences_of(read_table(trace_path), max_length)
+    ids, seqs, masks = sequences_of(read_table(trace_path, TRACE_SCHEMA), max_length)
     progress = Progress(f"hidden states {trace_path}", len(seqs), "tok/s")
     aux, final = [], []
     with open_engine(target_dir, EngineSettings.from_config(engine)) as eng:

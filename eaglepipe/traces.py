@@ -11,7 +11,7 @@ import logging
 import time
 
 from .engines.base import EngineSettings, Sampling, open_engine
-from .formats import TRACE_SCHEMA, read_table, stable_hash, write_json, write_table
+from .formats import PROMPT_SCHEMA, TRACE_SCHEMA, read_table, stable_hash, write_json, write_table
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def run(prompts_path, output_path, *, target_dir, split: str, shard: int, num_sh
         sampling: dict, template_kwargs: dict, chunk_size: int, max_error_share: float) -> None:
     from .engines.transformers import load_tokenizer, render_chat
 
-    prompts = [r for r in read_table(prompts_path) if shard_of(r["id"], num_shards) == shard]
+    prompts = [r for r in read_table(prompts_path, PROMPT_SCHEMA) if shard_of(r["id"], num_shards) == shard]
     tokenizer = load_tokenizer(target_dir)
     rendered = [render_chat(tokenizer, json.loads(r["messages"]), template_kwargs) for r in prompts]
     settings = Sampling(**sampling)
@@ -79,7 +79,7 @@ def stats(shard_paths: list[str], output_path) -> None:
     """Aggregate figures of all trace shards: samples, errors, truncation, tokens."""
     out = {}
     for split in ("train", "eval"):
-        rows = [r for p in shard_paths for r in read_table(p) if r["split"] == split]
+        rows = [r for p in shard_paths for r in read_table(p, TRACE_SCHEMA) if r["split"] == split]
         ok = [r for r in rows if not r["error"]]
         out[split] = {
             "samples": len(rows), "errors": len(rows) - len(ok),

@@ -13,7 +13,7 @@ import logging
 import torch
 from safetensors.torch import load_file, save_file
 
-from .formats import atomic_path, read_table, write_json
+from .formats import TRACE_SCHEMA, atomic_path, read_table, write_json
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 def count_tokens(trace_paths: list[str], vocab_size: int) -> torch.Tensor:
     freq = torch.zeros(vocab_size, dtype=torch.int64)
     for path in trace_paths:
-        for row in read_table(path):
+        for row in read_table(path, TRACE_SCHEMA):
             if row["error"] or not row["output_ids"]:
                 continue
             ids = torch.tensor(row["output_ids"], dtype=torch.int64)

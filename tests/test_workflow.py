@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 from conftest import planned_rules, snakemake, tiny_config
 from eaglepipe.formats import read_hidden_shard, read_table, sha256_file
