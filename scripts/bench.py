@@ -1,10 +1,11 @@
 from pathlib import Path
 
-from eaglepipe import bench, logs
+from eaglepipe import bench, gpus, logs
 
 # The guard keeps vLLM's spawned processes from re-running the job when they import this script.
 if __name__ == "__main__":
     logs.to_file(snakemake.log[0])
+    gpus.claim(snakemake.resources.gpu)
     b = snakemake.params.bench
     bench.run(
         snakemake.input.prompts,

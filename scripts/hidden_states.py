@@ -1,8 +1,9 @@
-from eaglepipe import hidden_states, logs
+from eaglepipe import gpus, hidden_states, logs
 
 # The guard keeps vLLM's spawned processes from re-running the job when they import this script.
 if __name__ == "__main__":
     logs.to_file(snakemake.log[0])
+    gpus.claim(snakemake.resources.gpu)
     h = snakemake.params.hidden_states
     hidden_states.run(
         snakemake.input.traces,

@@ -1,8 +1,9 @@
-from eaglepipe import logs, traces
+from eaglepipe import gpus, logs, traces
 
 # The guard keeps vLLM's spawned processes from re-running the job when they import this script.
 if __name__ == "__main__":
     logs.to_file(snakemake.log[0])
+    gpus.claim(snakemake.resources.gpu)
     g = snakemake.params.generation
     traces.run(
         snakemake.input.prompts,

@@ -1,9 +1,10 @@
 import json
 from pathlib import Path
 
-from eaglepipe import logs, train
+from eaglepipe import gpus, logs, train
 
 logs.to_file(snakemake.log[0])
+gpus.claim(snakemake.resources.gpu)
 manifest = json.loads(Path(snakemake.input.manifest).read_text())
 train.run(
     list(snakemake.input.shards),

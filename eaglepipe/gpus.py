@@ -1,0 +1,62 @@
+"""GPU assignment for local runs: each GPU job gets its own devices through CUDA_VISIBLE_DEVICES.
+
+Snakemake's `resources: gpu=N` (capped by the profile at the node's count) guarantees that enough GPUs are free in
+total, not which ones. A job claims N device slots by taking exclusive locks on files in a lock folder; the kernel
+drops the locks when the job's process ends, however it ends, so a crashed job never holds a GPU. On a cluster the
+scheduler sets CUDA_VISIBLE_DEVICES itself and nothing is claimed.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_held: list[int] = []  # open lock files of this process: closing them would release the GPUs
+
+
+def visible_gpus() -> int:
+    """GPUs on this machine (EAGLEPIPE_NUM_GPUS overrides, e.g. for tests)."""
+    if "EAGLEPIPE_NUM_GPUS" in os.environ:
+        return int(os.environ["EAGLEPIPE_NUM_GPUS"])
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
+
+
+def claim(count: int, lock_dir=".snakemake/eaglepipe-gpu-locks") -> list[int]:
+    """Lock `count` free GPU slots for this process and make them its CUDA_VISIBLE_DEVICES; returns their ids."""
+    if count <= 0 or "SLURM_JOB_ID" in os.environ:
+        return []
+    if "CUDA_VISIBLE_DEVICES" in os.environ and not _held:
+        log.info("CUDA_VISIBLE_DEVICES=%s set by the caller; not claiming GPUs", os.environ["CUDA_VISIBLE_DEVICES"])
+        return []
+    total = visible_gpus()
+    if total < count:
+        raise RuntimeError(f"this job declares gpu={count} but the machine has {total} GPUs; lower engine.gpus / "
+                           "train.gpus or run on a machine with more GPUs")
+    Path(lock_dir).mkdir(parents=True, exist_ok=True)
+    mine = []
+    for gpu in range(total):
+        fd = os.open(Path(lock_dir) / f"gpu-{gpu}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        _held.append(fd)
+        mine.append(gpu)
+        if len(mine) == count:
+            break
+    if len(mine) < count:
+        raise RuntimeError(f"only {len(mine)} of {count} GPUs free: another process outside this workflow's "
+                           f"resource accounting holds them (locks in {lock_dir})")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, mine))
+    log.info("claimed GPUs %s", os.environ["CUDA_VISIBLE_DEVICES"])
+    return mine
