@@ -33,9 +33,9 @@ def lr_at(step: int, total: int, lr: float, warmup: int) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def unroll_losses(model: Eagle3Draft, batch, embed, lm_head, draft_ids, t2d, steps: int):
+def unroll_losses(model: Eagle3Draft, batch, embed, draft_head, t2d, steps: int):
     """Per unroll step: (loss, correct, count) over that step's valid positions."""
-    probs, valid = targets(batch, lm_head, draft_ids, t2d)
+    probs, valid = targets(batch, draft_head, t2d)
     results = []
     for j, out in enumerate(model.unroll(batch.aux, step_inputs(batch, steps, embed), batch.positions, batch.mask)):
         rows = step_mask(batch, valid, j).nonzero().squeeze(1)
@@ -50,7 +50,7 @@ def unroll_losses(model: Eagle3Draft, batch, embed, lm_head, draft_ids, t2d, ste
     return results
 
 
-def init_draft(target_dir, config: DraftConfig, vocab: dict, seed: int) -> Eagle3Draft:
+def init_draft(config: DraftConfig, vocab: dict, draft_head: torch.Tensor, seed: int) -> Eagle3Draft:
     torch.manual_seed(seed)
     model = Eagle3Draft(config)
     for module in model.modules():
@@ -60,7 +60,7 @@ def init_draft(target_dir, config: DraftConfig, vocab: dict, seed: int) -> Eagle
         model.d2t.copy_(vocab["d2t"])
         model.t2d.copy_(vocab["t2d"])
         # Start the head where the target's is: the draft's output is meant to mimic the target's final state.
-        model.lm_head.weight.copy_(load_lm_head(target_dir)[vocab["draft_ids"]].float())
+        model.lm_head.weight.copy_(draft_head)
     return model
 
 
@@ -73,10 +73,11 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
     info = read_info(target_dir)
     vocab = vocab_map.load(vocab_path)
     config = DraftConfig.from_target(info.config, draft_vocab_size=int(vocab["d2t"].numel()), aux_layer_ids=layer_ids)
-    model = init_draft(target_dir, config, vocab, settings["seed"]).to(device)
+    draft_head = load_lm_head(target_dir)[vocab["draft_ids"]].float()  # the target's head, draft-vocab rows
+    model = init_draft(config, vocab, draft_head, settings["seed"]).to(device)
+    draft_head = draft_head.to(device)
     embed = load_embeddings(target_dir).float().to(device)
-    lm_head = load_lm_head(target_dir).float().to(device)
-    draft_ids, t2d = vocab["draft_ids"].to(device), vocab["t2d"].to(device)
+    t2d = vocab["t2d"].to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=settings["lr"], weight_decay=settings["weight_decay"])
 
@@ -104,7 +105,7 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
             batch = collate(shards[s], seqs, max_tokens, torch.float32, device)
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, total, settings["lr"], settings["warmup_steps"])
-            results = unroll_losses(model, batch, embed, lm_head, draft_ids, t2d, steps)
+            results = unroll_losses(model, batch, embed, draft_head, t2d, steps)
             loss = sum(decay ** j * r[0] for j, r in enumerate(results))
             opt.zero_grad(set_to_none=True)
             loss.backward()
