@@ -10,9 +10,17 @@ import logging
 import torch
 
 from .engines.base import EngineSettings, open_engine
-from .formats import LAYER_CONVENTION, TRACE_SCHEMA, read_hidden_shard, read_table, sha256_file, write_hidden_shard, write_json
+from .formats import (
+    LAYER_CONVENTION,
+    TRACE_SCHEMA,
+    read_hidden_shard,
+    read_table,
+    sha256_file,
+    write_hidden_shard,
+    write_json,
+)
+from .logs import Progress
 from .target import fingerprint, read_info, resolve_layer_ids
-from .traces import Progress
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,13 @@
-"""Logging of a rule's script into the rule's log file."""
+"""Logging of a rule's script into the rule's log file, and progress lines for long jobs."""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import time
+
+log = logging.getLogger(__name__)
 
 
 def to_file(path) -> None:
@@ -17,3 +20,23 @@ def to_file(path) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         handlers=[logging.StreamHandler(sys.stderr)], force=True)
     logging.captureWarnings(True)
+
+
+class Progress:
+    """Log lines with done/total, rate and ETA, at most every `every` seconds."""
+
+    def __init__(self, what: str, total: int, unit: str, every: float = 10.0):
+        self.what, self.total, self.unit, self.every = what, total, unit, every
+        self.start = self.last = time.monotonic()
+        self.done = self.amount = 0
+
+    def update(self, done: int, amount: int) -> None:
+        self.done += done
+        self.amount += amount
+        now = time.monotonic()
+        if now - self.last >= self.every or self.done == self.total:
+            self.last = now
+            elapsed = max(now - self.start, 1e-9)
+            eta = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
+            log.info("%s: %d/%d, %.1f %s, elapsed %.0fs, ETA %.0fs", self.what, self.done, self.total,
+                     self.amount / elapsed, self.unit, elapsed, eta)

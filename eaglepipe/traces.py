@@ -8,36 +8,23 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 
 from .engines.base import EngineSettings, Sampling, open_engine
-from .formats import PROMPT_SCHEMA, TRACE_SCHEMA, read_table, stable_hash, write_json, write_table
+from .formats import (
+    PROMPT_SCHEMA,
+    TRACE_SCHEMA,
+    read_table,
+    stable_hash,
+    write_json,
+    write_table,
+)
+from .logs import Progress
 
 log = logging.getLogger(__name__)
 
 
 def shard_of(prompt_id: str, num_shards: int) -> int:
     return stable_hash("shard:" + prompt_id) % num_shards
-
-
-class Progress:
-    """Log lines with done/total, rate and ETA, at most every `every` seconds."""
-
-    def __init__(self, what: str, total: int, unit: str, every: float = 10.0):
-        self.what, self.total, self.unit, self.every = what, total, unit, every
-        self.start = self.last = time.monotonic()
-        self.done = self.amount = 0
-
-    def update(self, done: int, amount: int) -> None:
-        self.done += done
-        self.amount += amount
-        now = time.monotonic()
-        if now - self.last >= self.every or self.done == self.total:
-            self.last = now
-            elapsed = max(now - self.start, 1e-9)
-            eta = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
-            log.info("%s: %d/%d, %.1f %s, elapsed %.0fs, ETA %.0fs", self.what, self.done, self.total,
-                     self.amount / elapsed, self.unit, elapsed, eta)
 
 
 def run(prompts_path, output_path, *, target_dir, split: str, shard: int, num_shards: int, engine: dict,
