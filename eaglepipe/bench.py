@@ -4,6 +4,8 @@ served.json: for each draft length k, mean acceptance length (1 + accepted / dra
 per-position acceptance (accepted at position i / drafts) and output tokens/s with and without speculation at batch 1
 and at the configured batch; the speedup is their ratio. Offline tau at the same k (from the evaluate stage) sits
 beside the served figure, with `agrees` telling whether served is within the configured tolerance of offline.
+When served falls short beyond the tolerance, `diagnosis` holds served tau of the draft with its layer ids shifted and
+the prompts rendered in template variants (diagnose.py), and `cause` names the fault the best variant undoes.
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ import json
 import logging
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
+from . import diagnose as diagnose_mod
 from .engines.base import EngineSettings, Sampling, open_engine
 from .engines.transformers import load_tokenizer, render_chat
 from .formats import read_table, write_json
+from .target import read_info
 
 log = logging.getLogger(__name__)
 
@@ -30,31 +35,62 @@ def timed_generate(eng, prompts, sampling, batch: int) -> tuple[float, int]:
 
 
 def run(prompts_path, draft_dir, acceptance_path, output_path, *, target_dir, engine: dict, ks: list[int],
-        batch_size: int, batch1_prompts: int, max_prompts: int, max_new_tokens: int, tolerance: float) -> None:
+        batch_size: int, batch1_prompts: int, max_prompts: int, max_new_tokens: int, tolerance: float,
+        template_kwargs: dict | None = None, traces: list | None = None, diagnose: bool = True,
+        diagnose_prompts: int = 4) -> None:
+    template_kwargs = template_kwargs or {}
     tokenizer = load_tokenizer(target_dir)
     rows = read_table(prompts_path)[:max_prompts]
-    prompts = [render_chat(tokenizer, json.loads(r["messages"])) for r in rows]
+    conversations = [json.loads(r["messages"]) for r in rows]
+    # The bench renders as the traces stage did (same template kwargs), so a template fault shows as a shortfall.
+    prompts = [render_chat(tokenizer, m, template_kwargs) for m in conversations]
     sampling = Sampling(max_new_tokens=max_new_tokens)
     offline = json.loads(Path(acceptance_path).read_text())["tau"]
     base = EngineSettings.from_config({**engine, "name": "vllm", "batch_size": batch_size})
-    results = {"prompts": len(prompts), "batch_size": batch_size, "max_new_tokens": max_new_tokens, "k": {}}
+    results = {"prompts": len(prompts), "batch_size": batch_size, "max_new_tokens": max_new_tokens, "k": {},
+               "diagnosis": None}
+    diag_prompts = prompts[:diagnose_prompts]
+    traced = _traced_prompt_ids(traces or [], [r["id"] for r in rows[:diagnose_prompts]])
 
-    def measure(settings):
+    def measure(settings, shortfall_check=None):
         with open_engine(target_dir, settings) as eng:
             eng.generate(prompts[:1], Sampling(max_new_tokens=4))  # warm
             before = eng.spec_counters()
             b1, _ = timed_generate(eng, prompts[:batch1_prompts], sampling, 1)
             bn, _ = timed_generate(eng, prompts, sampling, batch_size)
             after = eng.spec_counters()
-        delta = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted_tokens")}
-        per_pos = [a - b for a, b in zip(after["accepted_per_pos"], before["accepted_per_pos"] or
-                                         [0] * len(after["accepted_per_pos"]))]
-        return b1, bn, delta, per_pos
+            delta = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted_tokens")}
+            per_pos = [a - b for a, b in zip(after["accepted_per_pos"], before["accepted_per_pos"] or
+                                             [0] * len(after["accepted_per_pos"]))]
+            extra = shortfall_check(eng, delta) if shortfall_check else None
+        return b1, bn, delta, per_pos, extra
 
-    base_b1, base_bn, _, _ = measure(base)
+    def templates_if_short(k):
+        """While the draft as trained is still served: on a shortfall, tau of the template variants."""
+        def check(eng, delta):
+            tau, off = 1 + delta["accepted_tokens"] / max(delta["drafts"], 1), offline.get(str(k))
+            if not diagnose or results["diagnosis"] is not None or off is None or off - tau <= tolerance * off:
+                return None
+            log.warning("k=%d: served tau %.3f falls short of offline %.3f by more than %.0f%%: diagnosing on %d "
+                        "prompts", k, tau, off, 100 * tolerance, len(diag_prompts))
+            as_served, n = diagnose_mod.served_tau(eng, diag_prompts, sampling)
+            ids = json.loads((Path(draft_dir) / "config.json").read_text())["eagle_config"][
+                "eagle_aux_hidden_state_layer_ids"]
+            measured = [{"variant": "as served", "kind": "none", "layer_ids": ids, "served_tau": as_served,
+                         "drafts": n}]
+            for name, variant in diagnose_mod.template_variants(tokenizer, conversations[:diagnose_prompts],
+                                                                template_kwargs, traced).items():
+                vtau, vn = diagnose_mod.served_tau(eng, variant, sampling)
+                log.info("diagnosis k=%d: prompts rendered as '%s' -> served tau %.3f (%d drafts)", k, name, vtau, vn)
+                measured.append({"variant": name, "kind": "template", "served_tau": vtau, "drafts": vn})
+            return measured
+        return check
+
+    base_b1, base_bn, _, _, _ = measure(base)
     results["baseline_tok_s"] = {"batch_1": base_b1, f"batch_{batch_size}": base_bn}
     for k in ks:
-        b1, bn, delta, per_pos = measure(replace(base, draft=str(draft_dir), num_speculative_tokens=k))
+        settings = replace(base, draft=str(draft_dir), num_speculative_tokens=k)
+        b1, bn, delta, per_pos, measured = measure(settings, templates_if_short(k))
         drafts = max(delta["drafts"], 1)
         tau = 1 + delta["accepted_tokens"] / drafts
         off = offline.get(str(k))
@@ -67,6 +103,21 @@ def run(prompts_path, draft_dir, acceptance_path, output_path, *, target_dir, en
         log.info("k=%d: served tau %.3f vs offline %s; speedup batch 1 %.2fx, batch %d %.2fx", k, tau, off,
                  b1 / base_b1, batch_size, bn / base_bn)
         if not results["k"][str(k)]["agrees"]:
-            log.warning("k=%d: served acceptance %.3f is not within %.0f%% of offline %s: check the draft's aux layer "
-                        "ids and the chat template used at serving time", k, tau, 100 * tolerance, off)
+            log.warning("k=%d: served acceptance %.3f is not within %.0f%% of offline %s", k, tau, 100 * tolerance, off)
+        if measured is not None:
+            measured += diagnose_mod.layer_shifts(partial(open_engine, target_dir), settings, Path(draft_dir), k=k,
+                                                  prompts=diag_prompts, sampling=sampling,
+                                                  num_layers=read_info(target_dir).num_layers)
+            cause = diagnose_mod.name_cause(measured, offline=off, tolerance=tolerance)
+            finding = cause or ("no variant recovers served tau (aux layer ids +-1, chat template variants): look at "
+                                "the norm flags, rope settings and max_position_embeddings of the draft config")
+            log.warning("diagnosis k=%d: %s", k, finding)
+            results["diagnosis"] = {"k": k, "prompts": len(diag_prompts), "variants": measured, "cause": cause,
+                                    "finding": finding}
     write_json(output_path, results)
+
+
+def _traced_prompt_ids(trace_paths: list, ids: list[str]) -> list[list[int]] | None:
+    """Prompt ids the traces stage stored for these prompt ids; None when the traces are not given or lack one."""
+    stored = {r["id"]: [int(t) for t in r["prompt_ids"]] for path in trace_paths for r in read_table(path)}
+    return [stored[i] for i in ids] if ids and all(i in stored for i in ids) else None

@@ -3,6 +3,7 @@ rule bench:
         "../envs/eaglepipe.yaml"
     input:
         prompts="results/prompts/eval.parquet",
+        traces=shards("results/traces/{split}/shard-{i}.parquet", ["eval"]),
         config=rules.train.output.config,
         model=rules.train.output.model,
         acceptance=rules.evaluate.output[0],
@@ -12,6 +13,7 @@ rule bench:
     params:
         bench=config["bench"],
         engine=config["engine"],
+        template_kwargs=config["generation"]["template_kwargs"],
     threads: config["train"]["threads"]
     resources:
         gpu=config["engine"]["gpus"],

@@ -20,4 +20,8 @@ if __name__ == "__main__":
         max_prompts=b["max_prompts"],
         max_new_tokens=b["max_new_tokens"],
         tolerance=b["tolerance"],
+        template_kwargs=snakemake.params.template_kwargs,
+        traces=list(snakemake.input.traces),
+        diagnose=b["diagnose"],
+        diagnose_prompts=b["diagnose_prompts"],
     )

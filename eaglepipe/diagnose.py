@@ -1,0 +1,101 @@
+"""Diagnosis of a served acceptance shortfall: re-serve the draft with the documented integration faults undone.
+
+Two causes collapse served acceptance while the draft itself is fine (REFERENCE section 4): aux layer ids off by one
+(engines number layers differently) and a chat template at serving time that differs from the one the traces used.
+On a few prompts at one k, the draft is served with its layer ids shifted by one each way (a variant config.json in a
+temporary folder beside the same weights) and the prompts rendered in template variants; a variant whose served tau
+recovers by more than the tolerance names the cause.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def served_tau(eng, prompts: list[list[int]], sampling) -> tuple[float, int]:
+    """Mean acceptance length over `prompts` from the engine's counters, and the number of drafts behind it."""
+    before = eng.spec_counters()
+    eng.generate(prompts, sampling)
+    after = eng.spec_counters()
+    drafts = after["drafts"] - before["drafts"]
+    return 1 + (after["accepted_tokens"] - before["accepted_tokens"]) / max(drafts, 1), drafts
+
+
+def render(tokenizer, messages: list[dict], template_kwargs: dict, generation_prompt: bool = True) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
+                                        **template_kwargs)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def template_variants(tokenizer, conversations: list[list[dict]], template_kwargs: dict,
+                      traced: list[list[int]] | None) -> dict[str, list[list[int]]]:
+    """Prompt ids per rendering that differs from the served one: traces' own ids, system prompt, generation prompt."""
+    served = [render(tokenizer, m, template_kwargs) for m in conversations]
+    variants = {
+        "prompt ids the traces used": traced,
+        "without add_generation_prompt": [render(tokenizer, m, template_kwargs, False) for m in conversations],
+        # An empty system turn suppresses a template's default system prompt (SmolLM2's ChatML template has one).
+        "empty system prompt": [render(tokenizer, m if m[0]["role"] == "system" else
+                                       [{"role": "system", "content": ""}, *m], template_kwargs) for m in conversations],
+        "system turns dropped": [render(tokenizer, [t for t in m if t["role"] != "system"] or m, template_kwargs)
+                                 for m in conversations],
+        "without template kwargs": [render(tokenizer, m, {}) for m in conversations] if template_kwargs else None,
+    }
+    return {name: ids for name, ids in variants.items() if ids is not None and ids != served}
+
+
+def shifted_draft(draft_dir: Path, folder: Path, shift: int) -> tuple[Path, list[int]]:
+    """A draft folder whose config has every aux layer id moved by `shift`; the weights are the same file."""
+    config = json.loads((draft_dir / "config.json").read_text())
+    ids = [k + shift for k in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+    out = folder / f"shift{shift:+d}"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (out / "model.safetensors").symlink_to((draft_dir / "model.safetensors").resolve())
+    return out, ids
+
+
+def layer_shifts(open_engine, settings, draft_dir: Path, *, k: int, prompts: list[list[int]], sampling,
+                 num_layers: int) -> list[dict]:
+    """Served tau of the draft with its aux layer ids moved by -1 and +1 (ids outside the target are not served)."""
+    draft_dir, results = Path(draft_dir), []
+    folder = Path(tempfile.mkdtemp(prefix="eaglepipe-diagnose-"))
+    try:
+        for shift in (-1, 1):
+            path, shifted = shifted_draft(draft_dir, folder, shift)
+            if min(shifted) < 1 or max(shifted) >= num_layers:
+                log.info("diagnosis: layer ids %s fall outside the target's %d layers; not served", shifted, num_layers)
+                continue
+            with open_engine(replace(settings, draft=str(path), num_speculative_tokens=k)) as eng:
+                tau, n = served_tau(eng, prompts, sampling)
+            log.info("diagnosis k=%d: aux layer ids %s -> served tau %.3f (%d drafts)", k, shifted, tau, n)
+            results.append({"variant": f"aux layer ids {shift:+d}", "kind": "layer_ids", "shift": shift,
+                            "layer_ids": shifted, "served_tau": tau, "drafts": n})
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return results
+
+
+def name_cause(results: list[dict], *, offline: float, tolerance: float) -> str | None:
+    """The variant that recovers served tau by more than the tolerance, said in words; None when none does."""
+    base = results[0]
+    best = max(results[1:], key=lambda r: r["served_tau"], default=None)
+    if best is None or best["served_tau"] - base["served_tau"] <= tolerance * offline:
+        return None
+    recovered = f"served tau recovers to {best['served_tau']:.3f} (from {base['served_tau']:.3f}; offline {offline:.3f})"
+    if best["kind"] == "layer_ids":
+        # Serving with ids moved by `shift` recovers, so the config's ids are off by -shift.
+        return (f"aux layer ids off by {-best['shift']:+d}: draft config has {base['layer_ids']}, {recovered} "
+                f"with {best['layer_ids']}")
+    return (f"chat template at serving differs from the traces': {recovered} with the prompts rendered as "
+            f"'{best['variant']}'")
