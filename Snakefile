@@ -19,6 +19,7 @@ include: "rules/hidden_states.smk"
 include: "rules/train.smk"
 include: "rules/evaluate.smk"
 include: "rules/bench.smk"
+include: "rules/export.smk"
 include: "rules/report.smk"
 
 
@@ -26,3 +27,4 @@ rule all:
     default_target: True
     input:
         rules.report.output.summary,
+        rules.export.output.checks,
