@@ -10,6 +10,10 @@ min_version("9.0")
 configfile: os.path.join(workflow.basedir, "config", "config.yaml")
 
 
+# `snakemake --report report.html`: this text on the front page, the plots rule's figures with their captions.
+report: "report/workflow.rst"
+
+
 include: "rules/common.smk"
 include: "rules/target.smk"
 include: "rules/prompts.smk"
@@ -28,3 +32,4 @@ rule all:
     input:
         rules.report.output.summary,
         rules.export.output.checks,
+        rules.plots.output,

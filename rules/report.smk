@@ -16,3 +16,43 @@ rule report:
         "logs/report.log",
     script:
         "../scripts/report.py"
+
+
+rule plots:
+    conda:
+        "../envs/eaglepipe.yaml"
+    input:
+        coverage=rules.vocab.output.coverage,
+        train_log=rules.train.output.log,
+        acceptance=rules.evaluate.output[0],
+        served=rules.bench.output[0],
+    output:
+        coverage=report(
+            "results/report/coverage.png",
+            caption="../report/coverage.rst",
+            category="1. Vocabulary",
+        ),
+        training=report(
+            "results/report/training.png",
+            caption="../report/training.rst",
+            category="2. Training",
+        ),
+        acceptance=report(
+            "results/report/acceptance.png",
+            caption="../report/acceptance.rst",
+            category="3. Acceptance",
+        ),
+        speedup=report(
+            "results/report/speedup.png",
+            caption="../report/speedup.rst",
+            category="4. Served speed",
+        ),
+        speedup_table=report(
+            "results/report/speedup.tsv",
+            caption="../report/speedup_table.rst",
+            category="4. Served speed",
+        ),
+    log:
+        "logs/plots.log",
+    script:
+        "../scripts/plots.py"

@@ -1,0 +1,121 @@
+"""Report plots (PNG, matplotlib): vocab coverage, training curves, offline vs served acceptance, served speed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on compute nodes
+import matplotlib.pyplot as plt  # noqa: E402
+
+from .formats import atomic_path  # noqa: E402
+
+# No "Software" key: the PNG bytes then depend only on the figure, so a rebuild gives the same file.
+PNG_METADATA = {"Software": None}
+
+
+def _load(path):
+    return json.loads(Path(path).read_text())
+
+
+def _save(fig, path) -> None:
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100, metadata=PNG_METADATA)
+    plt.close(fig)
+
+
+def coverage(coverage_path, output_path) -> None:
+    """Share of generated tokens inside the draft vocabulary against the vocabulary size."""
+    cov = _load(coverage_path)
+    sizes = [c["size"] for c in cov["curve"]]
+    shares = [100 * c["coverage"] for c in cov["curve"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(sizes, shares, marker="o")
+    ax.axvline(cov["draft_vocab_size"], color="grey", linestyle="--", label=f"draft vocab {cov['draft_vocab_size']}")
+    ax.set(xscale="log", xlabel="draft vocabulary size (most frequent tokens)", ylabel="coverage of generated tokens (%)",
+           title=f"Vocabulary coverage ({cov['counted_tokens']} tokens, {cov['distinct_tokens']} distinct)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    _save(fig, output_path)
+
+
+def training(train_log_path, output_path) -> None:
+    """Loss and accuracy of every unroll step over optimizer steps."""
+    records = [json.loads(line) for line in Path(train_log_path).read_text().splitlines() if line.strip()]
+    if not records:
+        raise ValueError(f"{train_log_path}: no training records; lower train.log_every or train longer")
+    steps = [r["step"] for r in records]
+    fig, (loss, acc) = plt.subplots(1, 2, figsize=(11, 4))
+    for j in range(len(records[0]["loss"])):
+        loss.plot(steps, [r["loss"][j] for r in records], marker=".", label=f"unroll step {j}")
+        acc.plot(steps, [r["acc"][j] for r in records], marker=".", label=f"unroll step {j}")
+    loss.set(xlabel="optimizer step", ylabel="soft cross-entropy", title="Training loss per unroll step")
+    acc.set(xlabel="optimizer step", ylabel="top-1 accuracy", ylim=(0, 1), title="Training accuracy per unroll step")
+    for ax in (loss, acc):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    _save(fig, output_path)
+
+
+def acceptance(acceptance_path, served_path, output_path) -> None:
+    """Per-position acceptance offline (evaluate stage) and served (vLLM's counters), one served line per k."""
+    acc, served = _load(acceptance_path), _load(served_path)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    positions = range(1, len(acc["per_position"]) + 1)
+    ax.plot(positions, acc["per_position"], marker="o", color="black", label="offline (eval split)")
+    for k, r in served["k"].items():
+        ax.plot(range(1, len(r["per_position"]) + 1), r["per_position"], marker="s", linestyle="--",
+                label=f"served, k={k}: tau {r['served_tau']:.2f} (offline {r['offline_tau']:.2f})")
+    ax.set(xlabel="draft position", ylabel="share of drafts accepted up to here", ylim=(0, 1.05),
+           title="Acceptance per draft position, offline vs served")
+    ax.set_xticks(list(positions))
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    _save(fig, output_path)
+
+
+def speedup(served_path, output_path) -> None:
+    """Output tokens/s without and with the draft at batch 1 and the batched setting, speedup on each bar."""
+    served = _load(served_path)
+    batches = ["batch_1", f"batch_{served['batch_size']}"]
+    rows = [("no draft", served["baseline_tok_s"], None)]
+    rows += [(f"draft k={k}", r["tok_s"], r["speedup"]) for k, r in served["k"].items()]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(rows)
+    for i, (name, tok_s, ratio) in enumerate(rows):
+        xs = [b + i * width for b in range(len(batches))]
+        bars = ax.bar(xs, [tok_s[b] for b in batches], width, label=name)
+        if ratio is not None:
+            ax.bar_label(bars, labels=[f"{ratio[b]:.2f}x" for b in batches], fontsize="small")
+    ax.set_xticks([b + 0.4 - width / 2 for b in range(len(batches))], [b.replace("_", " ") for b in batches])
+    ax.set(ylabel="output tokens/s", title=f"Served speed through vLLM ({served['prompts']} prompts, "
+                                           f"{served['max_new_tokens']} new tokens)")
+    ax.legend(fontsize="small")
+    ax.grid(True, axis="y", alpha=0.3)
+    _save(fig, output_path)
+
+
+def speedup_table(served_path, output_path) -> None:
+    """The speedup table as TSV: one row per k."""
+    served = _load(served_path)
+    batch = f"batch_{served['batch_size']}"
+    lines = ["k\tserved_tau\toffline_tau\tagrees\ttok_s_batch_1\tspeedup_batch_1\t"
+             f"tok_s_{batch}\tspeedup_{batch}",
+             f"none\t\t\t\t{served['baseline_tok_s']['batch_1']:.2f}\t1.00\t{served['baseline_tok_s'][batch]:.2f}\t1.00"]
+    for k, r in served["k"].items():
+        offline = "" if r["offline_tau"] is None else f"{r['offline_tau']:.3f}"
+        lines.append(f"{k}\t{r['served_tau']:.3f}\t{offline}\t{'yes' if r['agrees'] else 'no'}\t"
+                     f"{r['tok_s']['batch_1']:.2f}\t{r['speedup']['batch_1']:.2f}\t{r['tok_s'][batch]:.2f}\t"
+                     f"{r['speedup'][batch]:.2f}")
+    with atomic_path(output_path) as tmp:
+        tmp.write_text("\n".join(lines) + "\n")
+
+
+def run(*, coverage_path, train_log, acceptance_path, served_path, outputs: dict) -> None:
+    coverage(coverage_path, outputs["coverage"])
+    training(train_log, outputs["training"])
+    acceptance(acceptance_path, served_path, outputs["acceptance"])
+    speedup(served_path, outputs["speedup"])
+    speedup_table(served_path, outputs["speedup_table"])
