@@ -60,4 +60,10 @@ def served_section(bench: dict) -> list[str]:
         offline = f"{r['offline_tau']:.3f}" if r["offline_tau"] is not None else "-"
         lines.append(f"| {k} | {r['served_tau']:.3f} | {offline} | {'yes' if r['agrees'] else 'NO'} | "
                      f"{r['tok_s']['batch_1']:.1f} | {r['speedup']['batch_1']:.2f}x | {r['speedup'][batch]:.2f}x |")
+    diagnosis = bench.get("diagnosis")
+    if diagnosis:
+        lines += ["", f"**Diagnosis** (k={diagnosis['k']}, {diagnosis['prompts']} prompts): {diagnosis['finding']}", "",
+                  "| variant | served tau |", "|---|---|"]
+        lines += [f"| {v['variant']}" + (f" {v['layer_ids']}" if v["kind"] != "template" else "") +
+                  f" | {v['served_tau']:.3f} |" for v in diagnosis["variants"]]
     return lines
