@@ -83,9 +83,13 @@ def _offset(ids, expected) -> str:
     return "more than a constant"
 
 
-def run(draft_dir, manifest_path, target_dir, sglang_dir, checks_path, *, serving_context: int) -> None:
-    """Write the SGLang export and checks.json; fail, naming every problem, when any export does not pass."""
+def run(draft_dir, manifest_path, target_dir, sglang_dir, checks_path, *, serving_context: int | None,
+        max_model_len: int = 4096) -> None:
+    """Write the SGLang export and checks.json; fail, naming every problem, when any export does not pass.
+    serving_context None: the context the vLLM engine serves at, max_model_len capped by the target's positions."""
     draft_dir, sglang_dir = Path(draft_dir), Path(sglang_dir)
+    if serving_context is None:
+        serving_context = min(max_model_len, read_info(target_dir).max_position_embeddings)
     layer_ids = json.loads(Path(manifest_path).read_text())["layer_ids"]
     staging = sglang_dir.parent / f".{sglang_dir.name}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
@@ -95,7 +99,7 @@ def run(draft_dir, manifest_path, target_dir, sglang_dir, checks_path, *, servin
     (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     checks = {engine: check(folder, engine, layer_ids=layer_ids, target_dir=target_dir, serving_context=serving_context)
               for engine, folder in (("vllm", draft_dir), ("sglang", staging))}
-    problems = [f"{engine} export: {p}" for engine, found in checks.items() for p in found]
+    problems = [f"{engine} export: {p.replace(str(staging), str(sglang_dir))}" for engine, found in checks.items() for p in found]
     if problems:
         shutil.rmtree(staging, ignore_errors=True)
         raise ValueError("draft export check failed:\n  " + "\n  ".join(problems))

@@ -11,7 +11,8 @@ rule export:
         sglang_model="results/export/sglang/model.safetensors",
         checks="results/export/checks.json",
     params:
-        serving_context=config["export"]["serving_context"] or config["engine"]["max_model_len"],
+        serving_context=config["export"]["serving_context"],
+        max_model_len=config["engine"]["max_model_len"],
     log:
         "logs/export.log",
     script:

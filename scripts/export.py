@@ -10,4 +10,5 @@ export.run(
     Path(snakemake.output.sglang_config).parent,
     snakemake.output.checks,
     serving_context=snakemake.params.serving_context,
+    max_model_len=snakemake.params.max_model_len,
 )
