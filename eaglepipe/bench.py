@@ -73,16 +73,17 @@ def run(prompts_path, draft_dir, acceptance_path, output_path, *, target_dir, en
                 return None
             log.warning("k=%d: served tau %.3f falls short of offline %.3f by more than %.0f%%: diagnosing on %d "
                         "prompts", k, tau, off, 100 * tolerance, len(diag_prompts))
-            as_served, n = diagnose_mod.served_tau(eng, diag_prompts, sampling)
+            as_served, n, se = diagnose_mod.served_tau(eng, diag_prompts, sampling)
             ids = json.loads((Path(draft_dir) / "config.json").read_text())["eagle_config"][
                 "eagle_aux_hidden_state_layer_ids"]
             measured = [{"variant": "as served", "kind": "none", "layer_ids": ids, "served_tau": as_served,
-                         "drafts": n}]
+                         "drafts": n, "std_error": se}]
             for name, variant in diagnose_mod.template_variants(tokenizer, conversations[:diagnose_prompts],
                                                                 template_kwargs, traced).items():
-                vtau, vn = diagnose_mod.served_tau(eng, variant, sampling)
+                vtau, vn, vse = diagnose_mod.served_tau(eng, variant, sampling)
                 log.info("diagnosis k=%d: prompts rendered as '%s' -> served tau %.3f (%d drafts)", k, name, vtau, vn)
-                measured.append({"variant": name, "kind": "template", "served_tau": vtau, "drafts": vn})
+                measured.append({"variant": name, "kind": "template", "served_tau": vtau, "drafts": vn,
+                                 "std_error": vse})
             return measured
         return check
 
@@ -109,8 +110,9 @@ def run(prompts_path, draft_dir, acceptance_path, output_path, *, target_dir, en
                                                   prompts=diag_prompts, sampling=sampling,
                                                   num_layers=read_info(target_dir).num_layers)
             cause = diagnose_mod.name_cause(measured, offline=off, tolerance=tolerance)
-            finding = cause or ("no variant recovers served tau (aux layer ids +-1, chat template variants): look at "
-                                "the norm flags, rope settings and max_position_embeddings of the draft config")
+            finding = cause or ("no variant recovers served tau beyond the tolerance and the noise (aux layer ids +-1, "
+                                "chat template variants): look at the norm flags, rope settings and "
+                                "max_position_embeddings of the draft config, or serve more prompts")
             log.warning("diagnosis k=%d: %s", k, finding)
             results["diagnosis"] = {"k": k, "prompts": len(diag_prompts), "variants": measured, "cause": cause,
                                     "finding": finding}

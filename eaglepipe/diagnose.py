@@ -19,13 +19,24 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
-def served_tau(eng, prompts: list[list[int]], sampling) -> tuple[float, int]:
-    """Mean acceptance length over `prompts` from the engine's counters, and the number of drafts behind it."""
+def served_tau(eng, prompts: list[list[int]], sampling) -> tuple[float, int, float]:
+    """Mean acceptance length over `prompts` from the engine's counters, the drafts behind it and its standard error."""
     before = eng.spec_counters()
     eng.generate(prompts, sampling)
     after = eng.spec_counters()
     drafts = after["drafts"] - before["drafts"]
-    return 1 + (after["accepted_tokens"] - before["accepted_tokens"]) / max(drafts, 1), drafts
+    per_pos = [a - b for a, b in zip(after["accepted_per_pos"], before["accepted_per_pos"] or
+                                     [0] * len(after["accepted_per_pos"]))]
+    return 1 + (after["accepted_tokens"] - before["accepted_tokens"]) / max(drafts, 1), drafts, std_error(per_pos, drafts)
+
+
+def std_error(accepted_per_pos: list[int], drafts: int) -> float:
+    """Standard error of the mean accepted length; per_pos[i] counts drafts with at least i+1 tokens accepted."""
+    if drafts < 2:
+        return float("inf")
+    mean = sum(accepted_per_pos) / drafts
+    second = sum((2 * i + 1) * n for i, n in enumerate(accepted_per_pos)) / drafts  # E[X^2] = sum (2i-1) P(X >= i)
+    return max(second - mean * mean, 0.0) ** 0.5 / drafts ** 0.5
 
 
 def render(tokenizer, messages: list[dict], template_kwargs: dict, generation_prompt: bool = True) -> list[int]:
@@ -77,20 +88,24 @@ def layer_shifts(open_engine, settings, draft_dir: Path, *, k: int, prompts: lis
                 log.info("diagnosis: layer ids %s fall outside the target's %d layers; not served", shifted, num_layers)
                 continue
             with open_engine(replace(settings, draft=str(path), num_speculative_tokens=k)) as eng:
-                tau, n = served_tau(eng, prompts, sampling)
+                tau, n, se = served_tau(eng, prompts, sampling)
             log.info("diagnosis k=%d: aux layer ids %s -> served tau %.3f (%d drafts)", k, shifted, tau, n)
             results.append({"variant": f"aux layer ids {shift:+d}", "kind": "layer_ids", "shift": shift,
-                            "layer_ids": shifted, "served_tau": tau, "drafts": n})
+                            "layer_ids": shifted, "served_tau": tau, "drafts": n, "std_error": se})
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return results
 
 
 def name_cause(results: list[dict], *, offline: float, tolerance: float) -> str | None:
-    """The variant that recovers served tau by more than the tolerance, said in words; None when none does."""
+    """The variant that recovers served tau by more than the tolerance and twice the noise of the difference (few
+    prompts, so chance alone moves tau), said in words; None when none does."""
     base = results[0]
     best = max(results[1:], key=lambda r: r["served_tau"], default=None)
-    if best is None or best["served_tau"] - base["served_tau"] <= tolerance * offline:
+    if best is None:
+        return None
+    gain, noise = best["served_tau"] - base["served_tau"], 2 * (base["std_error"] ** 2 + best["std_error"] ** 2) ** 0.5
+    if gain <= tolerance * offline or gain <= noise:
         return None
     recovered = f"served tau recovers to {best['served_tau']:.3f} (from {base['served_tau']:.3f}; offline {offline:.3f})"
     if best["kind"] == "layer_ids":
