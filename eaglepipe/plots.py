@@ -21,6 +21,7 @@ def _load(path):
 
 
 def _save(fig, path) -> None:
+    fig.tight_layout()  # keeps axis labels inside the image
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=100, metadata=PNG_METADATA)
     plt.close(fig)
@@ -36,6 +37,9 @@ def coverage(coverage_path, output_path) -> None:
     ax.axvline(cov["draft_vocab_size"], color="grey", linestyle="--", label=f"draft vocab {cov['draft_vocab_size']}")
     ax.set(xscale="log", xlabel="draft vocabulary size (most frequent tokens)", ylabel="coverage of generated tokens (%)",
            title=f"Vocabulary coverage ({cov['counted_tokens']} tokens, {cov['distinct_tokens']} distinct)")
+    ticks = sorted(set(sizes) | {cov["draft_vocab_size"]})
+    ax.set_xticks(ticks, [str(t) for t in ticks])  # plain sizes, not powers of ten
+    ax.minorticks_off()
     ax.grid(True, alpha=0.3)
     ax.legend()
     _save(fig, output_path)
@@ -92,7 +96,8 @@ def speedup(served_path, output_path) -> None:
     ax.set_xticks([b + 0.4 - width / 2 for b in range(len(batches))], [b.replace("_", " ") for b in batches])
     ax.set(ylabel="output tokens/s", title=f"Served speed through vLLM ({served['prompts']} prompts, "
                                            f"{served['max_new_tokens']} new tokens)")
-    ax.legend(fontsize="small")
+    ax.margins(y=0.15)  # room for the speedup labels above the tallest bar
+    ax.legend(fontsize="small", loc="upper left")
     ax.grid(True, axis="y", alpha=0.3)
     _save(fig, output_path)
 
