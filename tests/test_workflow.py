@@ -53,6 +53,10 @@ def test_every_artifact_is_produced_and_consistent(first_run):
     assert served["baseline_tok_s"]["batch_1"] > 0 and k2["speedup"]["batch_4"] > 0
     summary = (workdir / "results/report/summary.md").read_text()
     assert "Offline acceptance" in summary and "Draft vocabulary 512" in summary and "Served through vLLM" in summary
+    checks = json.loads((workdir / "results/export/checks.json").read_text())
+    assert checks["sglang"]["layer_ids"] == [1, 3, 4] and checks["vllm"]["layer_ids"] == [2, 4, 5]
+    assert all((workdir / f"results/report/{n}.png").read_bytes().startswith(b"\x89PNG")
+               for n in ("coverage", "training", "acceptance", "speedup"))
 
 
 def test_nothing_to_do_after_a_full_run(first_run):
@@ -63,7 +67,7 @@ def test_nothing_to_do_after_a_full_run(first_run):
 def test_vocab_size_change_reruns_only_vocab_and_what_follows(first_run):
     workdir, config = first_run
     changed = tiny_config(config["target"]["path"], vocab={"draft_vocab_size": 256})
-    assert planned_rules(workdir, changed) == {"vocab", "train", "evaluate", "bench", "report", "all"}
+    assert planned_rules(workdir, changed) == {"vocab", "train", "evaluate", "bench", "report", "export", "plots", "all"}
 
 
 def test_layer_id_change_reruns_extraction_but_not_generation(first_run):
