@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 from .engines.base import EngineSettings, Sampling, open_engine
 from .formats import (
@@ -19,6 +20,8 @@ from .formats import (
     write_table,
 )
 from .logs import Progress
+from .target import fingerprint as target_fingerprint
+from .units import Units, fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +31,7 @@ def shard_of(prompt_id: str, num_shards: int) -> int:
 
 
 def run(prompts_path, output_path, *, target_dir, split: str, shard: int, num_shards: int, engine: dict,
-        sampling: dict, template_kwargs: dict, chunk_size: int, max_error_share: float) -> None:
+        sampling: dict, template_kwargs: dict, chunk_size: int, max_error_share: float, progress_dir=None) -> None:
     from .engines.transformers import load_tokenizer, render_chat
 
     prompts = [r for r in read_table(prompts_path, PROMPT_SCHEMA) if shard_of(r["id"], num_shards) == shard]
@@ -37,10 +40,20 @@ def run(prompts_path, output_path, *, target_dir, split: str, shard: int, num_sh
     settings = Sampling(**sampling)
     rows = []
     progress = Progress(f"traces {split}/shard-{shard}", len(prompts), "tok/s")
+    # Chunks are the units of resume: a rerun after a crash regenerates only the chunks not yet stored.
+    key = fingerprint([(r["id"], r["messages"]) for r in prompts], target_fingerprint(target_dir), engine, sampling,
+                      template_kwargs, chunk_size, str(TRACE_SCHEMA), Path(__file__).read_text())
+    units = Units(progress_dir or Path(output_path).with_name(f".{Path(output_path).name}.progress"), key,
+                  f"traces {split}/shard-{shard}")
     with open_engine(target_dir, EngineSettings.from_config(engine)) as eng:
         # Chunks keep the log speaking and prove on the first chunk that the engine works before the rest runs.
         for start in range(0, len(prompts), chunk_size):
             chunk = slice(start, start + chunk_size)
+            stored = units.load(start // chunk_size)
+            if stored is not None:
+                rows += stored
+                progress.update(len(stored), sum(r["output_tokens"] for r in stored))
+                continue
             for prompt, gen in zip(prompts[chunk], eng.generate(rendered[chunk], settings)):
                 rows.append({
                     "id": prompt["id"], "split": split, "messages": prompt["messages"],
@@ -55,11 +68,14 @@ def run(prompts_path, output_path, *, target_dir, split: str, shard: int, num_sh
             progress.update(len(done), sum(r["output_tokens"] for r in done))
             if start == 0 and done and all(r["error"] for r in done):
                 raise RuntimeError(f"every request of the first chunk failed, e.g.: {done[0]['error']}")
+            if not any(r["error"] for r in done):  # a chunk with failures is retried on a rerun: they may be transient
+                units.save(start // chunk_size, done)
     errors = sum(1 for r in rows if r["error"])
     if rows and errors / len(rows) > max_error_share:
         raise RuntimeError(f"traces {split}/shard-{shard}: {errors} of {len(rows)} requests failed, more than "
                            f"generation.max_error_share={max_error_share}; see the warnings above for reasons")
     write_table(output_path, rows, TRACE_SCHEMA)
+    units.finish(-(-len(prompts) // chunk_size))
 
 
 def stats(shard_paths: list[str], output_path) -> None:

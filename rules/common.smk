@@ -32,5 +32,23 @@ def target_dir():
     return ancient(path)
 
 
+def check_config_against_target():
+    """Config that cannot fit the target (layer ids beyond its depth, a draft vocabulary larger than its own) fails
+    here, before any job, whenever the target's config.json is already there (jobs check again: eaglepipe.preflight)."""
+    path = config["target"]["path"] or EMBEDDED_TARGET
+    if not config["preflight"]["enabled"] or not os.path.isfile(os.path.join(path, "config.json")):
+        return
+    import eaglepipe.preflight  # here: it imports torch, which runs without a target need not wait for
+    import eaglepipe.target
+
+    try:
+        eaglepipe.preflight.check_config(config, eaglepipe.target.read_info(path))
+    except (ValueError, eaglepipe.preflight.PreflightError) as err:
+        raise WorkflowError(f"{err}\n(target {path})") from None
+
+
+check_config_against_target()
+
+
 def shards(pattern, splits=SPLITS):
     return expand(pattern, split=splits, i=SHARDS)

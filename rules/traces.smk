@@ -9,6 +9,9 @@ rule traces:
     params:
         engine=config["engine"],
         generation=config["generation"],
+        # Completed chunks for resume after a crash: not an output, so Snakemake keeps it when the job fails.
+        progress="results/.progress/traces/{split}/shard-{i}",
+        stage=shards("results/traces/{split}/shard-{i}.parquet"),
     threads: config["engine"]["threads"]
     resources:
         gpu=config["engine"]["gpus"],
