@@ -1,7 +1,7 @@
 """Resume inside a stage: the real workflow is SIGKILLed mid-way through generation and then extraction, rerun, and
 continues from its stored units; the final shards are byte-identical to those of an uninterrupted run.
 
-The real SmolLM2 target, so that each unit takes long enough (a fraction of a second) for the kill to land mid-way.
+Units of one prompt or sequence make the run long enough in units (22 of them) for the kill to land mid-way.
 """
 
 import os
@@ -24,8 +24,8 @@ HIDDEN = "results/hidden_states/train/shard-0.safetensors"
 
 
 def config_for(target):
-    return tiny_config(target, generation={"max_new_tokens": 16, "num_shards": 1, "chunk_size": 2},
-                       hidden_states={"max_length": 128, "chunk_size": 2})
+    return tiny_config(target, generation={"max_new_tokens": 16, "num_shards": 1, "chunk_size": 1},
+                       hidden_states={"max_length": 128, "chunk_size": 1})
 
 
 def kill_when_units_appear(workdir, config, stage):
@@ -41,7 +41,7 @@ def kill_when_units_appear(workdir, config, stage):
         while not list(folder.glob("unit-*.pt")):
             assert proc.poll() is None, f"snakemake ended ({proc.returncode}) before a {stage} unit was stored"
             assert time.monotonic() < deadline, f"no {stage} unit within 300 s"
-            time.sleep(0.02)
+            time.sleep(0.005)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -57,8 +57,8 @@ def reuse(log):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, smollm2):
-    config = config_for(smollm2)
+def runs(tmp_path_factory, tiny_target):
+    config = config_for(tiny_target)
     reference = tmp_path_factory.mktemp("uninterrupted")
     snakemake(reference, config, HIDDEN)
     workdir = tmp_path_factory.mktemp("killed")
@@ -76,7 +76,7 @@ def runs(tmp_path_factory, smollm2):
 def test_generation_resumes_from_its_stored_chunks(runs):
     workdir = runs["workdir"]
     n = len(runs["trace_units"])
-    total = -(-len(read_table(workdir / "results/prompts/train.parquet")) // 2)  # chunks of 2 prompts
+    total = len(read_table(workdir / "results/prompts/train.parquet"))  # chunks of one prompt
     assert 1 <= n < total and not runs["traces_after_kill"], "the kill did not land mid-way through generation"
     assert reuse(workdir / "logs/traces/train/shard-0.log") == (n, total, total - n)
     assert sha256_file(workdir / TRACES) == sha256_file(runs["reference"] / TRACES)
@@ -87,7 +87,7 @@ def test_extraction_resumes_from_its_stored_chunks(runs):
     workdir = runs["workdir"]
     n = len(runs["hidden_units"])
     _, seqs, _ = sequences_of(read_table(workdir / TRACES, TRACE_SCHEMA), 128)
-    total = -(-len(seqs) // 2)  # chunks of 2 sequences
+    total = len(seqs)  # chunks of one sequence
     assert 1 <= n < total and not runs["hidden_after_kill"], "the kill did not land mid-way through extraction"
     assert reuse(workdir / "logs/hidden_states/train/shard-0.log") == (n, total, total - n)
     assert sha256_file(workdir / HIDDEN) == sha256_file(runs["reference"] / HIDDEN)
