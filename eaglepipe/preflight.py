@@ -42,13 +42,13 @@ def parse_compute_apps(text: str) -> list[GpuProcess]:
     for line in text.splitlines():
         if not line.strip() or line.startswith("No running"):
             continue
-        fields = [f.strip() for f in line.split(",")]
-        if len(fields) < 4 or not fields[0].isdigit():
+        # A process name may hold commas: pid comes first, memory and uuid last.
+        pid, _, rest = line.partition(",")
+        fields = [f.strip() for f in rest.rsplit(",", 2)]
+        if len(fields) < 3 or not pid.strip().isdigit():
             raise ValueError(f"unexpected nvidia-smi compute-apps line: {line!r}")
-        memory = fields[-2].split()[0]
-        # A process name may hold commas; pid comes first and memory and uuid last.
-        procs.append(GpuProcess(int(fields[0]), ",".join(fields[1:-2]), int(memory) if memory.isdigit() else None,
-                                fields[-1]))
+        memory = fields[1].split()[0] if fields[1] else ""
+        procs.append(GpuProcess(int(pid), fields[0], int(memory) if memory.isdigit() else None, fields[2]))
     return procs
 
 
