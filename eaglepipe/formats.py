@@ -85,7 +85,11 @@ def write_table(path, rows: list[dict], schema: pa.Schema) -> None:
 
 
 def read_table(path, schema: pa.Schema | None = None) -> list[dict]:
-    table = pq.read_table(path)
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as err:
+        raise ValueError(f"{path}: not a readable Parquet file ({err}); delete it and rerun the rule that writes "
+                         "it (or fix the source file)") from None
     if schema is not None:
         missing = set(schema.names) - set(table.column_names)
         if missing:

@@ -179,6 +179,12 @@ def check_target(target_dir) -> TargetInfo:
                                  "a causal language model known to the installed transformers; check the checkpoint "
                                  "or upgrade transformers")
     _safetensors_files(Path(target_dir))
+    from .engines.transformers import load_tokenizer
+
+    tokens = len(load_tokenizer(target_dir))
+    if tokens > info.vocab_size:
+        raise PreflightError(f"{target_dir}: its tokenizer has {tokens} tokens but config.json's vocab_size is "
+                             f"{info.vocab_size}: tokenizer and weights do not belong together; fix the checkpoint")
     return info
 
 

@@ -17,6 +17,7 @@ import logging
 from importlib import resources
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .formats import PROMPT_SCHEMA, stable_hash, write_table
@@ -41,7 +42,10 @@ def read_records(path) -> list[tuple[int, dict]]:
     if not path.is_file():
         raise PromptError(f"prompt file {path} does not exist; fix config key prompts.sources")
     if path.suffix == ".parquet":
-        return list(enumerate(pq.read_table(path).to_pylist(), start=1))
+        try:
+            return list(enumerate(pq.read_table(path).to_pylist(), start=1))
+        except (pa.ArrowInvalid, OSError) as err:
+            raise PromptError(f"prompt file {path}: not a readable Parquet file ({err}); fix or replace it") from None
     records = []
     with open(path, encoding="utf-8") as f:
         for row, line in enumerate(f, start=1):

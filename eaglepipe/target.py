@@ -48,7 +48,10 @@ def read_info(target_dir) -> TargetInfo:
     if not path.is_file():
         raise FileNotFoundError(f"target checkpoint {target_dir}: no config.json; point target.path at a Hugging "
                                 "Face checkpoint folder (config.json, tokenizer, *.safetensors)")
-    config = json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err}); restore the checkpoint's config.json") from None
     text = _text_config(config)
     try:
         return TargetInfo(num_layers=int(text["num_hidden_layers"]), hidden_size=int(text["hidden_size"]),

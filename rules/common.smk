@@ -49,6 +49,10 @@ def check_config_against_target():
 
 check_config_against_target()
 
+for source in config["prompts"]["sources"]:
+    if not os.path.isfile(source):
+        raise WorkflowError(f"config key prompts.sources: {source!r} does not exist; fix the path or remove it")
+
 
 def shards(pattern, splits=SPLITS):
     return expand(pattern, split=splits, i=SHARDS)

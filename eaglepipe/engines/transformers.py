@@ -98,7 +98,15 @@ class TransformersEngine(Engine):
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Generation]:
         results: list[Generation | None] = [None] * len(prompts)
-        for batch_no, batch in enumerate(self._batches([p for p in prompts])):
+        vocab = self.model.config.get_text_config().vocab_size
+        for i, p in enumerate(prompts):  # rejected here: the embedding lookup would fail with an unclear IndexError
+            outside = [t for t in p if not 0 <= t < vocab]
+            if outside:
+                results[i] = Generation(prompt_ids=list(p), error=f"rejected: prompt token id {outside[0]} is outside "
+                                        f"the target's vocabulary of {vocab}")
+        valid = [i for i, r in enumerate(results) if r is None]
+        for batch_no, sub in enumerate(self._batches([prompts[i] for i in valid])):
+            batch = [valid[j] for j in sub]
             try:
                 outs = self._generate_batch([prompts[i] for i in batch], sampling, seed=sampling.seed + batch_no)
             except (RuntimeError, ValueError) as err:  # one bad item must not sink its batch: retry one by one
