@@ -69,7 +69,7 @@ def busy_gpu_problems(apps_text: str, gpus_text: str, visible: str | None, own_p
     if visible is None:
         mine = set(uuids.values())
     else:
-        mine = {v if v.startswith("GPU-") or v.startswith("MIG-") else uuids.get(v, v)
+        mine = {v if v.startswith(("GPU-", "MIG-")) else uuids.get(v, v)
                 for v in (x.strip() for x in visible.split(",")) if v}
     index_of = {uuid: index for index, uuid in uuids.items()}
     problems = []
@@ -107,7 +107,7 @@ def check_gpus(gpus: int, *, allow_busy: bool, apps_text: str | None = None, gpu
 
 def _nvidia_smi(query: str) -> str:
     result = subprocess.run(["nvidia-smi", query, "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                            timeout=60)
+                            check=False, timeout=60)
     if result.returncode != 0:
         raise PreflightError(f"nvidia-smi {query} failed ({result.returncode}): {result.stderr.strip()}; check the "
                              "GPU driver, or set preflight.enabled: false to skip the checks")

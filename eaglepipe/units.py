@@ -7,9 +7,11 @@ a folder made under another fingerprint is discarded whole, so a config or input
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -61,3 +63,5 @@ class Units:
         log.info("%s: %d of %d units reused from an earlier interrupted run, %d computed", self.what, self.reused,
                  total, total - self.reused)
         shutil.rmtree(self.folder, ignore_errors=True)
+        with contextlib.suppress(OSError):  # and the parents it leaves empty (results/.progress/<stage>/<split>)
+            os.removedirs(self.folder.parent)

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from conftest import snakemake, tiny_config
 from eaglepipe import hidden_states, preflight, prompts, traces, vocab

@@ -89,7 +89,7 @@ def test_disk_check_fails_the_job_before_the_engine_loads(tmp_path, tiny_target)
     elapsed = time.monotonic() - start
     assert result.returncode != 0
     log = (tmp_path / "logs/traces/train/shard-0.log").read_text()
-    assert f"not enough disk for trace shards in results/traces/train" in log
+    assert "not enough disk for trace shards in results/traces/train" in log
     assert "preflight.reserve_disk_gib keeps" in log and "Loading weights" not in log
     assert not list((tmp_path / "results/traces").rglob("*.parquet"))
     print(f"the failing workflow (prompts job, then the failed traces job) took {elapsed:.0f} s")
