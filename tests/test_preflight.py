@@ -6,6 +6,7 @@ The functions fed here are the ones the engine jobs run on GPU machines; only nv
 import logging
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +23,19 @@ APPS = """\
 48214, VLLM::Worker_TP1, 70524 MiB, GPU-3aa1c0de-77f3-1b2c-9d4e-000000000003
 51002, /opt/conda/bin/python -m ipykernel, 1200 MiB, GPU-6aa1c0de-77f3-1b2c-9d4e-000000000006
 """
+
+
+RECORDED = Path(__file__).parent / "data/nvidia-smi"
+
+
+@pytest.mark.parametrize("apps", ["compute-apps.csv", "compute-apps-nounits.csv"])
+def test_recorded_h200_output_with_a_process_holding_memory(apps):
+    gpus = (RECORDED / "gpus.csv").read_text()
+    with pytest.raises(preflight.PreflightError, match=r"GPU 0: pid 430 \(python3\) holds 2566 MiB"):
+        preflight.check_gpus(1, allow_busy=False, apps_text=(RECORDED / apps).read_text(), gpus_text=gpus,
+                             visible="0", own_pid=1)
+    preflight.check_gpus(1, allow_busy=False, apps_text=(RECORDED / "compute-apps-idle.csv").read_text(),
+                         gpus_text=gpus, visible="0", own_pid=1)
 
 
 def test_busy_gpus_are_named_with_pid_process_memory_and_what_to_do():
