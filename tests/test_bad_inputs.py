@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import snakemake, tiny_config
+from conftest import generate_mixed, snakemake, tiny_config
 from eaglepipe import hidden_states, preflight, prompts, traces, vocab
 from eaglepipe.config import validate
-from eaglepipe.formats import PROMPT_SCHEMA, TRACE_SCHEMA, read_hidden_shard, read_table, write_table
+from eaglepipe.formats import TRACE_SCHEMA, read_hidden_shard, read_table, write_table
 from eaglepipe.target import read_info
 
 
@@ -209,34 +209,8 @@ def test_hidden_shards_with_different_layer_ids(tmp_path, tiny_target):
 
 # --- failed requests in generation ------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def small_vocab_target(tmp_path_factory, smollm2):
-    """A tiny Llama whose vocabulary (30000) is smaller than its tokenizer's: prompts with higher ids are rejected."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out = tmp_path_factory.mktemp("targets") / "small-vocab"
-    config = LlamaConfig(vocab_size=30000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=1, num_key_value_heads=1, head_dim=64, tie_word_embeddings=True,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(smollm2 / name, out / name)
-    return out
-
-
 def generate(tmp_path, target, max_error_share):
-    # Highest token id of each rendered prompt: 26843 and 9690 fit a vocabulary of 30000, the other three do not.
-    contents = ["Hi", "What is two plus two?", "Say yes.", "Explain photosynthesis", "Zyxwvut quasar"]
-    rows = [{"id": f"q{i}", "source": "t", "messages": json.dumps([{"role": "system", "content": "Be brief."},
-                                                                   {"role": "user", "content": c}])}
-            for i, c in enumerate(contents)]
-    write_table(tmp_path / "prompts.parquet", rows, PROMPT_SCHEMA)
-    out = tmp_path / "traces/shard-0.parquet"
-    traces.run(tmp_path / "prompts.parquet", out, target_dir=target, split="train", shard=0, num_shards=1,
-               engine={"name": "transformers"}, sampling={"max_new_tokens": 4}, template_kwargs={}, chunk_size=8,
-               max_error_share=max_error_share, progress_dir=tmp_path / "progress")
-    return out
+    return generate_mixed(tmp_path, target, max_error_share=max_error_share, chunk_size=8, max_new_tokens=4)
 
 
 def test_error_share_above_the_threshold_fails_the_shard(tmp_path, small_vocab_target):

@@ -14,7 +14,7 @@ import time
 import pytest
 import yaml
 
-from conftest import REPO, snakemake, tiny_config
+from conftest import REPO, generate_mixed, snakemake, tiny_config
 from eaglepipe.formats import TRACE_SCHEMA, read_table, sha256_file
 from eaglepipe.hidden_states import sequences_of
 from eaglepipe.units import Units
@@ -102,3 +102,24 @@ def test_units_of_other_inputs_or_settings_are_discarded(tmp_path):
     changed = Units(tmp_path / "p", "key-b", "test")
     assert changed.load(0) is None and changed.load(1) is None and changed.reused == 0
     assert not list((tmp_path / "p").glob("unit-*"))
+
+
+def test_a_failed_shard_keeps_its_clean_chunks_and_other_settings_discard_them(tmp_path, small_vocab_target, caplog):
+    """Chunks of one prompt: q0 and q1 succeed and are stored, q2-q4 are rejected and not stored (failures may be
+    transient), so the shard fails on its error share and a rerun regenerates only the three failed chunks."""
+    with pytest.raises(RuntimeError, match="3 of 5 requests failed"):
+        generate_mixed(tmp_path, small_vocab_target, max_error_share=0.5, chunk_size=1, max_new_tokens=4)
+    assert sorted(p.name for p in (tmp_path / "progress").glob("unit-*.pt")) == ["unit-000000.pt", "unit-000001.pt"]
+    for max_new_tokens in (5, 4):  # other settings: the stored chunks are discarded (and regenerated)
+        caplog.clear()
+        with caplog.at_level("INFO"), pytest.raises(RuntimeError):
+            generate_mixed(tmp_path, small_vocab_target, max_error_share=0.5, chunk_size=1,
+                           max_new_tokens=max_new_tokens)
+        assert "discarding 2 units of earlier work made with other inputs or settings" in caplog.text
+    caplog.clear()
+    # max_error_share is no input of the rows: raising it reuses the clean chunks
+    with caplog.at_level("INFO"):
+        out = generate_mixed(tmp_path, small_vocab_target, max_error_share=0.6, chunk_size=1, max_new_tokens=4)
+    assert "2 of 5 units reused from an earlier interrupted run, 3 computed" in caplog.text
+    fresh = generate_mixed(tmp_path / "fresh", small_vocab_target, max_error_share=0.6, chunk_size=1, max_new_tokens=4)
+    assert sha256_file(out) == sha256_file(fresh)
