@@ -31,6 +31,7 @@ def config_for(target):
 def kill_when_units_appear(workdir, config, stage):
     """Start snakemake for the train hidden-state shard, SIGKILL its process group once a unit of `stage` is stored;
     return the names of the units on disk after the kill."""
+    workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "test-config.yaml").write_text(yaml.safe_dump(config))
     cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir), "--cores", "2",
            HIDDEN, "--configfile", str(REPO / "config/config.yaml"), str(workdir / "test-config.yaml")]
