@@ -1,8 +1,12 @@
 import os
+import sys
 
 from snakemake.exceptions import WorkflowError
 
 import eaglepipe.config
+import eaglepipe.estimate
+import eaglepipe.reasoning
+import eaglepipe.target
 
 try:
     eaglepipe.config.validate(config, workflow.source_path("../config/schema.yaml"))
@@ -20,16 +24,53 @@ wildcard_constraints:
 
 
 def target_dir():
-    """The target checkpoint: a user's local folder (never rebuilt) or the embedded default."""
+    """The target checkpoint: a user's local folder (never rebuilt) or the embedded default. A dry run plans
+    without the checkpoint when target.info gives its facts; a real run needs it."""
     path = config["target"]["path"]
     if path is None:
         return EMBEDDED_TARGET
     if not os.path.isfile(os.path.join(path, "config.json")):
+        if workflow.dryrun and config["target"]["info"]:
+            return []
         raise WorkflowError(
             f"config key target.path: {path!r} is not a checkpoint folder (no config.json there); "
-            "point it at a local Hugging Face checkpoint or set it to null for the embedded default"
+            "point it at a local Hugging Face checkpoint or set it to null for the embedded default "
+            "(a dry run without the checkpoint needs target.info)"
         )
     return ancient(path)
+
+
+def chat_template_file():
+    """The override chat template as an input (a changed file re-runs prompts and traces), checked at parse time."""
+    path = config["target"]["chat_template"]
+    if path is None:
+        return []
+    try:
+        eaglepipe.reasoning.read_template(path)
+    except ValueError as err:
+        raise WorkflowError(str(err)) from None
+    return path
+
+
+def prompt_sources():
+    """Prompt files; a dry run plans without the ones not present here (the plan then counts prompts.max_prompts)."""
+    sources = config["prompts"]["sources"]
+    if workflow.dryrun:
+        return [s for s in sources if os.path.isfile(s)]
+    return sources
+
+
+try:
+    eaglepipe.reasoning.apply_system_policy([], config["prompts"]["system_policy"], config["prompts"]["system_prompt"])
+    PLAN = eaglepipe.estimate.plan(config)
+    eaglepipe.target.resolve_layer_ids(
+        config["hidden_states"]["aux_layer_ids"],
+        eaglepipe.target.TargetInfo(PLAN["target"]["num_layers"], 0, 0, 0, {}),
+    )
+except ValueError as err:
+    raise WorkflowError(str(err)) from None
+if workflow.dryrun:
+    print(eaglepipe.estimate.format_plan(PLAN), file=sys.stderr)
 
 
 def shards(pattern, splits=SPLITS):

@@ -4,11 +4,14 @@ rule traces:
     input:
         prompts="results/prompts/{split}.parquet",
         target=target_dir(),
+        chat_template=chat_template_file(),
     output:
         "results/traces/{split}/shard-{i}.parquet",
     params:
         engine=config["engine"],
         generation=config["generation"],
+        chat_template=config["target"]["chat_template"],
+        reasoning=config["target"]["reasoning"],
     threads: config["engine"]["threads"]
     resources:
         gpu=config["engine"]["gpus"],
