@@ -30,13 +30,20 @@ def target_dir():
     if path is None:
         return EMBEDDED_TARGET
     if not os.path.isfile(os.path.join(path, "config.json")):
-        if workflow.dryrun and config["target"]["info"]:
-            return []
-        raise WorkflowError(
+        message = (
             f"config key target.path: {path!r} is not a checkpoint folder (no config.json there); "
-            "point it at a local Hugging Face checkpoint or set it to null for the embedded default "
-            "(a dry run without the checkpoint needs target.info)"
+            "point it at a local Hugging Face checkpoint or set it to null for the embedded default"
         )
+        if not config["target"]["info"]:
+            raise WorkflowError(message + " (a dry run without the checkpoint needs target.info)")
+
+        # Whether this is a dry run is known only once the DAG is built, so the check waits for that.
+        def checkpoint(wildcards):
+            if workflow.dryrun:
+                return []
+            raise WorkflowError(message)
+
+        return checkpoint
     return ancient(path)
 
 
@@ -55,9 +62,7 @@ def chat_template_file():
 def prompt_sources():
     """Prompt files; a dry run plans without the ones not present here (the plan then counts prompts.max_prompts)."""
     sources = config["prompts"]["sources"]
-    if workflow.dryrun:
-        return [s for s in sources if os.path.isfile(s)]
-    return sources
+    return lambda wildcards: [s for s in sources if os.path.isfile(s)] if workflow.dryrun else sources
 
 
 try:
@@ -69,7 +74,7 @@ try:
     )
 except ValueError as err:
     raise WorkflowError(str(err)) from None
-if workflow.dryrun:
+if workflow.is_main_process:
     print(eaglepipe.estimate.format_plan(PLAN), file=sys.stderr)
 
 
