@@ -90,7 +90,8 @@ def _find(seq: list[int], sub: list[int], start: int = 0) -> int:
 
 def split(tokenizer, markers: Markers | None, prompt_ids: list[int], output_ids: list[int]) -> Split:
     """Reasoning and response text of one generation, read from its token ids. The reasoning is open when the
-    output starts it or when the prompt's last tokens do (templates that pre-fill the start marker)."""
+    output starts with the start marker or the prompt's last tokens hold it (templates that pre-fill it); it ends
+    at the first end marker."""
     def text(ids, skip):
         return tokenizer.decode(ids, skip_special_tokens=skip).strip()
 
@@ -99,11 +100,11 @@ def split(tokenizer, markers: Markers | None, prompt_ids: list[int], output_ids:
     start = tokenizer.encode(markers.start, add_special_tokens=False)
     end = tokenizer.encode(markers.end, add_special_tokens=False)
     tail = list(prompt_ids[-(len(start) + 3):])
-    s = _find(output_ids, start)
     prefilled = _find(tail, start) >= 0 and _find(tail, end, _find(tail, start)) < 0
-    body = s + len(start) if s >= 0 else 0
+    opened = not prefilled and list(output_ids[: len(start)]) == start
+    body = len(start) if opened else 0
     e = _find(output_ids, end, body)
-    if s < 0 and not prefilled and e < 0:
+    if not (prefilled or opened) and e < 0:
         return Split("", text(output_ids, True), "absent")
     if e < 0:
         return Split(text(output_ids[body:], True), "", "unterminated")
