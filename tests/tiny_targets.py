@@ -41,13 +41,14 @@ def qwen3(out: Path, tokenizer_from: Path, layers: int = 10) -> Path:
 
 
 def deepseek_v3(out: Path, tokenizer_from: Path, layers: int = 8) -> Path:
-    """MLA attention (low-rank q and kv, split rope/nope heads) and MoE layers after the first dense one."""
+    """MLA attention (low-rank q and kv, split rope/nope heads) and MoE layers after the first dense one.
+    kv_lora_rank 512 + qk_rope_head_dim 64 are DeepSeek-V3's (and Kimi-K2's): vLLM's CPU MLA kernel needs 576."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(0)
     config = DeepseekV3Config(
-        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=64, kv_lora_rank=64,
+        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=64, kv_lora_rank=512,
         qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=8, n_shared_experts=1,
         num_experts_per_tok=2, moe_intermediate_size=64, n_group=2, topk_group=1, first_k_dense_replace=1,
         tie_word_embeddings=False, **COMMON)
