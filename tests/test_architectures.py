@@ -12,6 +12,9 @@ from eaglepipe.formats import read_hidden_shard, read_table
 from eaglepipe.target import load_final_norm, load_lm_head, read_info
 
 BUILDERS = {"qwen3": (tiny_targets.qwen3, 10), "deepseek_v3": (tiny_targets.deepseek_v3, 8)}
+# vLLM-CPU against transformers, both fp32. MLA differs by 1-2 % from the second position on (position 0 is exact)
+# and an MoE routing flip can lift one position to ~9 %: measured worst whole-sequence error 0.031.
+TOLERANCE = {"qwen3": 0.02, "deepseek_v3": 0.06}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
@@ -64,5 +67,5 @@ def test_vllm_generates_and_captures_like_transformers(name, smollm2, tmp_path):
         assert g.aux.shape == r.aux.shape and g.final.shape == r.final.shape
         for n in range(3):
             err = float((g.aux[:, n].float() - r.aux[:, n].float()).norm() / r.aux[:, n].float().norm())
-            assert err < 0.02, f"{name}: aux layer {n} differs from transformers by {err:.4f}"
+            assert err < TOLERANCE[name], f"{name}: aux layer {n} differs from transformers by {err:.4f}"
         assert torch.nn.functional.cosine_similarity(g.final.float().flatten(), r.final.float().flatten(), 0) > 0.99
