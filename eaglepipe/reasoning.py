@@ -147,7 +147,7 @@ def stats(rows: list[dict]) -> dict:
         # The target finished (or never started) thinking and then said nothing.
         "empty_responses": sum(r["reasoning_status"] != "unterminated" and not r["response"] for r in ok),
         "earlier_turns_regenerated": sum(r["turns"] - 1 for r in ok),
-        "earlier_turns_masked": sum(len(r["loss_spans"]) // 2 - 1 for r in ok if r["loss_spans"]),
+        "earlier_turns_masked": sum(end <= r["prompt_tokens"] for r in ok for end in r["loss_spans"][1::2]),
     }
 
 

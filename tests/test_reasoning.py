@@ -103,7 +103,7 @@ def test_stats_count_what_the_rows_hold(rows, tokenizer):
 def test_stats_count_planted_failures():
     def row(status, response="ok", finish="stop", error=""):
         return {"reasoning_status": status, "response": response, "finish_reason": finish, "error": error,
-                "turns": 1, "loss_spans": [3, 9]}
+                "turns": 1, "loss_spans": [3, 9], "prompt_tokens": 3}
 
     rows = [row("complete"), row("complete"), row("complete", response=""),  # thought, then said nothing
             row("unterminated", response="", finish="length"),  # cut off while thinking
