@@ -35,7 +35,7 @@ def prompt_file(path, n=40, multi_turn=0):
     for i in range(n):
         messages = [{"role": "user", "content": words(rng, 5)}]
         if i < multi_turn:  # an earlier exchange with an assistant answer as given
-            messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": words(rng, 3)},
+            messages = [{"role": "system", "content": "answer so"}, {"role": "user", "content": words(rng, 3)},
                         {"role": "assistant", "content": "given answer"}] + messages
         rows.append({"id": f"p{i:03d}", "messages": json.dumps(messages), "source": "test"})
     write_table(path, rows, PROMPT_SCHEMA)
