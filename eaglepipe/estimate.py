@@ -33,8 +33,9 @@ def target_facts(config: dict, embedded_dir="resources/targets/smollm2-135m") ->
                 f"{k} is {v} in config but {r} in the checkpoint" for k, (v, r) in wrong.items()))
         return real
     if given is None:
-        raise ValueError(f"config key target.path: {path!r} has no config.json and target.info is not set; "
-                         "give target.info (num_layers, hidden_size, vocab_size) to plan without the checkpoint")
+        raise ValueError(f"config key target.path: {path!r} is not a checkpoint folder (no config.json there); "
+                         "point it at a local Hugging Face checkpoint, set it to null for the embedded default, or "
+                         "give target.info (num_layers, hidden_size, vocab_size) to plan without it")
     return dict(given)
 
 
