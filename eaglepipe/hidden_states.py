@@ -28,6 +28,14 @@ from .units import fingerprint as units_key
 log = logging.getLogger(__name__)
 
 
+def loss_mask(spans: list[int], length: int) -> list[int]:
+    """1 on the positions the engine generated (the trace row's loss_spans), 0 elsewhere."""
+    mask = [0] * length
+    for start, end in zip(spans[::2], spans[1::2]):
+        mask[start:end] = [1] * (end - start)
+    return mask
+
+
 def sequences_of(rows: list[dict], max_length: int) -> tuple[list[str], list[list[int]], list[list[int]]]:
     """Ids, token sequences and loss masks of the usable rows, truncated to max_length tokens."""
     ids, seqs, masks = [], [], []
@@ -35,7 +43,7 @@ def sequences_of(rows: list[dict], max_length: int) -> tuple[list[str], list[lis
         if row["error"] or not row["output_ids"]:
             continue
         tokens = (list(row["prompt_ids"]) + list(row["output_ids"]))[:max_length]
-        mask = ([0] * len(row["prompt_ids"]) + [1] * len(row["output_ids"]))[:max_length]
+        mask = loss_mask(row["loss_spans"], len(row["prompt_ids"]) + len(row["output_ids"]))[:max_length]
         if sum(mask) == 0:
             continue  # the prompt alone fills max_length: nothing generated to learn from
         ids.append(row["id"])

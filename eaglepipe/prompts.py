@@ -5,7 +5,8 @@ Accepted records (JSONL or Parquet), one conversation each:
     {"conversations": [{"from": "human", "value": "..."}, ...]}      ShareGPT form
     {"prompt": "..."}                                                 plain form
 An optional "id" is kept; otherwise the id is the content hash. Trailing assistant turns are dropped: the target
-regenerates them. Split: a record is eval when hash(id) falls below eval_fraction, so adding prompts never moves
+regenerates them (earlier ones stay; generation.multi_turn decides whether they are regenerated too). System turns
+follow prompts.system_policy. Split: a record is eval when hash(id) falls below eval_fraction, so adding prompts never moves
 existing ones between splits.
 """
 
@@ -104,10 +105,12 @@ def split_of(prompt_id: str, eval_fraction: float) -> str:
 
 
 def run(sources: list[str], outputs: dict, *, eval_fraction: float, max_prompts: int | None,
-        max_prompt_tokens: int, too_long: str, target_dir, system_prompt: str | None, template_kwargs: dict) -> None:
+        max_prompt_tokens: int, too_long: str, target_dir, system_prompt: str | None, template_kwargs: dict,
+        system_policy: str = "add", chat_template: str | None = None) -> None:
     from .engines.transformers import load_tokenizer, render_chat
+    from .reasoning import apply_system_policy, read_template
 
-    tokenizer = load_tokenizer(target_dir)
+    tokenizer = load_tokenizer(target_dir, read_template(chat_template) if chat_template else None)
     sources = sources or [default_source()]
     seen: dict[str, str] = {}
     rows = {"train": [], "eval": []}
@@ -116,8 +119,7 @@ def run(sources: list[str], outputs: dict, *, eval_fraction: float, max_prompts:
         for row, record in read_records(source):
             where = f"{source}, row {row}"
             messages = normalise(record, where)
-            if system_prompt is not None and messages[0]["role"] != "system":
-                messages.insert(0, {"role": "system", "content": system_prompt})
+            messages = apply_system_policy(messages, system_policy, system_prompt)
             digest = content_hash(messages)
             if digest in seen:
                 duplicates += 1

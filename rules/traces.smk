@@ -4,6 +4,7 @@ rule traces:
     input:
         prompts="results/prompts/{split}.parquet",
         target=target_dir(),
+        chat_template=chat_template_file(),
     output:
         "results/traces/{split}/shard-{i}.parquet",
     params:
@@ -12,6 +13,8 @@ rule traces:
         # Completed chunks for resume after a crash: not an output, so Snakemake keeps it when the job fails.
         progress="results/.progress/traces/{split}/shard-{i}",
         stage=shards("results/traces/{split}/shard-{i}.parquet"),
+        chat_template=config["target"]["chat_template"],
+        reasoning=config["target"]["reasoning"],
     threads: config["engine"]["threads"]
     resources:
         gpu=config["engine"]["gpus"],

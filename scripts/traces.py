@@ -27,5 +27,8 @@ if __name__ == "__main__":
         template_kwargs=g["template_kwargs"],
         chunk_size=g["chunk_size"],
         max_error_share=g["max_error_share"],
+        chat_template=snakemake.params.chat_template,
+        reasoning_markers=snakemake.params.reasoning,
+        multi_turn=g["multi_turn"],
         progress_dir=snakemake.params.progress,
     )

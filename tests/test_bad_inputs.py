@@ -54,9 +54,10 @@ def test_corrupt_parquet_prompt_file(tmp_path, tiny_target):
         run_prompts(tmp_path, ["PAR1 this is not parquet"], tiny_target, name="bad.parquet")
 
 
-def test_missing_prompt_file_is_named_at_parse_time(tmp_path, tiny_target):
+def test_missing_prompt_file_is_named_before_any_job(tmp_path, tiny_target):
+    # A dry run plans without absent sources (the production config's data lives on the cluster); a real run stops.
     config = tiny_config(tiny_target, prompts={"sources": ["/no/such/prompts.jsonl"]})
-    result = snakemake(tmp_path, config, "-n", check=False)
+    result = snakemake(tmp_path, config, check=False)
     assert result.returncode != 0
     assert "config key prompts.sources: '/no/such/prompts.jsonl' does not exist" in result.stdout + result.stderr
     assert not (tmp_path / "results").exists()
