@@ -1,5 +1,9 @@
-"""A single-node SLURM cluster on localhost for tests: munged, slurmctld and slurmd from Debian's packages, each
-with its files in one folder (its own munge socket and key, slurm.conf, state, logs), started and stopped here."""
+"""A single-node SLURM cluster on localhost for tests: munged, slurmctld and slurmd from Debian's packages, with
+their files in one folder (own munge socket and key, state, logs), started and stopped here.
+
+slurm.conf itself must sit at /etc/slurm/slurm.conf: the executor plugin's job step drops SLURM_* variables
+(SLURM_CONF among them) before its `srun`, which then reads the default path. The test writes it there only when no
+other configuration is present, and removes it afterwards."""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
+SYSTEM_CONF = Path("/etc/slurm/slurm.conf")
+MARK = "# eaglepipe test cluster: written and removed by tests/slurm_cluster.py\n"
 BINARIES = ["munged", "mungekey", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scontrol"]
 
 
@@ -21,6 +27,8 @@ def missing() -> str | None:
         return f"SLURM/munge binaries absent ({', '.join(absent)}); setup.sh installs slurm-wlm and munge as root"
     if os.geteuid() != 0:
         return "the test cluster's slurmd and munged need root"
+    if SYSTEM_CONF.exists() and not SYSTEM_CONF.read_text().startswith(MARK):
+        return f"{SYSTEM_CONF} belongs to a real SLURM installation; the test cluster does not replace it"
     return None
 
 
@@ -61,8 +69,9 @@ def cluster(folder: Path):
     key.chmod(0o600)
     node = _node_line()
     host = node.split()[0].split("=")[1]
-    conf = folder / "slurm.conf"
-    conf.write_text(f"""\
+    conf = SYSTEM_CONF
+    conf.parent.mkdir(parents=True, exist_ok=True)
+    conf.write_text(MARK + f"""\
 ClusterName=eaglepipe-test
 SlurmctldHost={host}
 SlurmUser=root
@@ -122,3 +131,4 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        conf.unlink(missing_ok=True)
