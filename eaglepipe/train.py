@@ -265,7 +265,7 @@ def launch(kwargs: dict, nprocs: int) -> None:
         run(**kwargs)
         return
     kwargs = {**kwargs, "threads": max(1, kwargs["threads"] // nprocs)}
-    args_path = Path(kwargs["out_dir"]).parent / f".{Path(kwargs['out_dir']).name}.train-args.json"
+    args_path = Path(kwargs.get("progress_dir") or Path(kwargs["out_dir"]) / ".progress") / "torchrun-args.json"
     with atomic_path(args_path) as tmp:
         tmp.write_text(json.dumps(kwargs, default=str))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nprocs),

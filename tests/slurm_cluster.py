@@ -17,6 +17,8 @@ from pathlib import Path
 
 SYSTEM_CONF = Path("/etc/slurm/slurm.conf")
 MARK = "# eaglepipe test cluster: written and removed by tests/slurm_cluster.py\n"
+DEVICES = ["/dev/null", "/dev/zero"]  # character devices that stand in for GPUs
+GPUS = len(DEVICES)
 BINARIES = ["munged", "mungekey", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scontrol"]
 
 
@@ -27,8 +29,9 @@ def missing() -> str | None:
         return f"SLURM/munge binaries absent ({', '.join(absent)}); setup.sh installs slurm-wlm and munge as root"
     if os.geteuid() != 0:
         return "the test cluster's slurmd and munged need root"
-    if SYSTEM_CONF.exists() and not SYSTEM_CONF.read_text().startswith(MARK):
-        return f"{SYSTEM_CONF} belongs to a real SLURM installation; the test cluster does not replace it"
+    for path in (SYSTEM_CONF, SYSTEM_CONF.with_name("gres.conf")):
+        if path.exists() and not path.read_text().startswith(MARK):
+            return f"{path} belongs to a real SLURM installation; the test cluster does not replace it"
     return None
 
 
@@ -101,9 +104,13 @@ JobCompType=jobcomp/filetxt
 JobCompLoc={folder}/jobcomp.txt
 MinJobAge=300
 DefMemPerCPU=1000
-{node.split(" UpTime")[0]} State=UNKNOWN
+# Two GPUs that are not GPUs (gres.conf names two character devices), so GPU requests are scheduled for real., so GPU jobs' requests are scheduled for real.
+GresTypes=gpu
+{node.split(" UpTime")[0]} Gres=gpu:{GPUS} State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """)
+    devices = "".join(f"NodeName={host} Name=gpu File={dev}\n" for dev in DEVICES)
+    (conf.parent / "gres.conf").write_text(MARK + "AutoDetect=off\n" + devices)
     env = {**os.environ, "SLURM_CONF": str(conf)}
     procs = []
     try:
@@ -132,3 +139,4 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 proc.kill()
                 proc.wait()
         conf.unlink(missing_ok=True)
+        (conf.parent / "gres.conf").unlink(missing_ok=True)
