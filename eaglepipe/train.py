@@ -182,8 +182,7 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
             counts = torch.tensor([float(step_mask(batch, valid, j).sum()) for j in range(steps)], dtype=torch.float64)
         else:
             counts = torch.zeros(steps, dtype=torch.float64)
-        if world > 1:
-            dist.all_reduce(counts)  # the global batch's positions per unroll step: each rank's loss denominator
+        counts = all_sum(counts, device)  # the global batch's positions per unroll step: each rank's denominator
         for group in opt.param_groups:
             group["lr"] = lr_at(step, total, settings["lr"], settings["warmup_steps"])
         loss, stats = objective(batch, embed, probs, valid, counts.tolist(), decay, float(world))
@@ -194,9 +193,7 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
         step += 1
         lengths = (cus[s][1:] - cus[s][:-1]).clamp(max=max_tokens)
         seen += int(lengths[seqs].sum())
-        stats = torch.tensor(stats, dtype=torch.float64)
-        if world > 1:
-            dist.all_reduce(stats)
+        stats = all_sum(torch.tensor(stats, dtype=torch.float64), device)
         for j, (l, correct, count) in enumerate(stats.tolist()):
             acc_sum[j][0] += l
             acc_sum[j][1] += int(correct)
@@ -226,6 +223,15 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
             tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
         shutil.rmtree(progress_dir, ignore_errors=True)  # the outputs are complete: nothing left to resume
     return model
+
+
+def all_sum(t: torch.Tensor, device) -> torch.Tensor:
+    """Sum of `t` over the ranks (t itself on one process); through `device`, since NCCL reduces only GPU tensors."""
+    if not dist.is_initialized():
+        return t
+    t = t.to(device)
+    dist.all_reduce(t)
+    return t.cpu()
 
 
 def save_progress(folder: Path, key: str, model, opt, **position) -> None:
