@@ -1,79 +1,42 @@
-"""The production config dry-runs without its checkpoint and prints a plan; parse-time target checks."""
-
-import json
-import re
-import subprocess
-import sys
+"""The 8-GPU node plan: jobs of a real dry run packed into waves under the node's GPUs and cores."""
 
 import pytest
-import yaml
 
-from conftest import REPO, snakemake, tiny_config
-from eaglepipe import estimate
-from eaglepipe.config import validate
-
-KIMI = yaml.safe_load((REPO / "config/kimi-k2.5.yaml").read_text())
+from eaglepipe import plan
+from conftest import REPO
 
 
-def job_blocks(out: str) -> dict[str, list[str]]:
-    """Dry-run job descriptions by rule name."""
-    blocks: dict[str, list[str]] = {}
-    for block in re.split(r"\n(?=\[.*\d{4}\]\n)", out):
-        rule = re.search(r"^(?:local)?rule (\w+):", block, re.M)
-        if rule:
-            blocks.setdefault(rule.group(1), []).append(block)
-    return blocks
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("plan")
+    return plan.snakemake_jobs(["-d", str(workdir), "--configfile", str(REPO / "config/examples/h200x8.yaml")], 64)
 
 
-def test_production_config_dry_runs_without_checkpoint_and_prints_the_plan(tmp_path):
-    assert not (REPO / KIMI["target"]["path"]).exists()  # the 1T checkpoint is not on this machine
-    result = snakemake(tmp_path, KIMI, "-n")
-    out = result.stdout + result.stderr
-    blocks = job_blocks(out)
-    shards = 2 * KIMI["generation"]["num_shards"]
-    for rule in ("traces", "hidden_states", "bench"):
-        assert blocks[rule] and all("gpu=8" in b for b in blocks[rule]), rule
-    assert len(blocks["traces"]) == len(blocks["hidden_states"]) == shards
-    assert all("gpu=" not in b for rule in ("vocab", "manifest", "prompts") for b in blocks[rule])
-    info, p, g = KIMI["target"]["info"], KIMI["prompts"], KIMI["generation"]
-    tokens = p["max_prompts"] * min(p["max_prompt_tokens"] + g["max_new_tokens"], KIMI["hidden_states"]["max_length"])
-    total = tokens * (len(KIMI["hidden_states"]["aux_layer_ids"]) + 1) * info["hidden_size"] * 2
-    assert f"plan: target 61 layers, hidden 7168, vocab 163840, aux layer ids [2, 30, 58]" in out
-    assert f"plan: prompts {p['max_prompts']}; tokens {tokens:,}" in out
-    assert f"({total:,} bytes)" in out
-    assert f"traces ({shards} jobs x gpu=8), hidden_states ({shards} jobs x gpu=8)" in out
-    assert not (tmp_path / "results").exists()
+def test_eight_one_gpu_shard_jobs_share_the_node_and_training_takes_it_whole(jobs):
+    waves = plan.waves(jobs, gpus=8, cores=64)
+    seen = set()
+    for wave in waves:
+        assert sum(j.gpus for j in wave) <= 8 and sum(j.threads for j in wave) <= 64
+        assert all(j.deps <= seen for j in wave), "a job was planned beside or before a job it needs"
+        seen |= {j.jobid for j in wave}
+    assert seen == set(jobs)
+    for rule in ("traces", "hidden_states"):
+        shard_waves = [w for w in waves if any(j.rule == rule for j in w)]
+        assert len(shard_waves) == 1, f"{rule}: the 8 shard jobs should run as one wave"
+        shard_jobs = [j for j in shard_waves[0] if j.rule == rule]
+        assert len(shard_jobs) == 8 and all(j.gpus == 1 for j in shard_jobs)
+    train = next(w for w in waves if any(j.rule == "train" for j in w))
+    assert [j.gpus for j in train if j.rule == "train"] == [8] and sum(j.gpus for j in train) == 8
 
 
-def test_real_run_without_checkpoint_fails_clearly(tmp_path):
-    result = snakemake(tmp_path, KIMI, "results/prompts/train.parquet", check=False)
-    assert result.returncode != 0
-    assert "config key target.path: '/models/Kimi-K2.5' is not a checkpoint folder" in result.stdout + result.stderr
-    assert not (tmp_path / "results").exists()
+def test_fewer_gpus_split_the_shards_into_more_waves(jobs):
+    import dataclasses
 
-
-@pytest.mark.parametrize("override, message", [
-    ({"target": {"info": {"num_layers": 9, "hidden_size": 128, "vocab_size": 49152}}},
-     "config key target.info disagrees with .*: num_layers is 9 in config but 8 in the checkpoint"),
-    ({"hidden_states": {"aux_layer_ids": [2, 4, 9]}}, r"aux_layer_ids: \[2, 4, 9\] must be 3 increasing ids in \[0, 7\]"),
-    ({"prompts": {"system_policy": "replace"}}, "system_policy is 'replace' but prompts.system_prompt is null"),
-    ({"target": {"chat_template": "/no/such.jinja"}}, "config key target.chat_template: '/no/such.jinja' is not a file"),
-], ids=["info-mismatch", "layer-beyond-depth", "replace-without-text", "missing-template"])
-def test_bad_target_settings_are_named_at_parse_time(tmp_path, tiny_target, override, message):
-    result = snakemake(tmp_path, tiny_config(tiny_target, **override), "-n", check=False)
-    assert result.returncode != 0
-    assert re.search(message, result.stdout + result.stderr)
-
-
-def test_plan_takes_tokens_from_trace_stats_when_present(tmp_path):
-    config = validate(json.loads(json.dumps(KIMI)))
-    stats = tmp_path / "stats.json"
-    stats.write_text(json.dumps({"train": {"prompt_tokens": 1000, "output_tokens": 3000},
-                                 "eval": {"prompt_tokens": 100, "output_tokens": 300}}))
-    plan = estimate.plan(config, stats_path=stats)
-    assert plan["tokens"] == 4400 and plan["tokens_from"] == str(stats)
-    assert plan["hidden_state_bytes"] == 4400 * 4 * 7168 * 2
-    cli = subprocess.run([sys.executable, "-m", "eaglepipe.estimate", "--json", "--configfile",
-                          str(REPO / "config/kimi-k2.5.yaml")], capture_output=True, text=True, cwd=tmp_path)
-    assert cli.returncode == 0, cli.stderr
-    assert json.loads(cli.stdout)["hidden_state_bytes_per_token"] == 4 * 7168 * 2
+    smaller = {k: dataclasses.replace(j, gpus=min(j.gpus, 4)) for k, j in jobs.items()}
+    waves = plan.waves(smaller, gpus=4, cores=64)
+    trace_waves = [sum(1 for j in w if j.rule == "traces") for w in waves]
+    assert [n for n in trace_waves if n] == [4, 4]
+    with pytest.raises(ValueError, match=r"train declares gpu=8, more than the node's 4"):
+        plan.waves(jobs, gpus=4, cores=64)
+    rendered = plan.render(plan.waves(jobs, 8, 64), 8, 64)
+    assert "8/8 GPUs" in rendered and "traces[split=train, i=0]  gpu=1" in rendered
