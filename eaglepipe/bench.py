@@ -21,6 +21,7 @@ from . import diagnose as diagnose_mod
 from .engines.base import EngineSettings, Sampling, open_engine
 from .engines.transformers import load_tokenizer, render_chat
 from .formats import read_table, write_json
+from .reasoning import read_template
 from .target import read_info
 
 log = logging.getLogger(__name__)
@@ -37,9 +38,10 @@ def timed_generate(eng, prompts, sampling, batch: int) -> tuple[float, int]:
 def run(prompts_path, draft_dir, acceptance_path, output_path, *, target_dir, engine: dict, ks: list[int],
         batch_size: int, batch1_prompts: int, max_prompts: int, max_new_tokens: int, tolerance: float,
         template_kwargs: dict | None = None, traces: list | None = None, diagnose: bool = True,
-        diagnose_prompts: int = 4) -> None:
+        diagnose_prompts: int = 4, chat_template: str | None = None) -> None:
     template_kwargs = template_kwargs or {}
-    tokenizer = load_tokenizer(target_dir)
+    # The traces' override template (target.chat_template), when set, is the one served with.
+    tokenizer = load_tokenizer(target_dir, read_template(chat_template) if chat_template else None)
     rows = read_table(prompts_path)[:max_prompts]
     conversations = [json.loads(r["messages"]) for r in rows]
     # The bench renders as the traces stage did (same template kwargs), so a template fault shows as a shortfall.
@@ -78,8 +80,9 @@ def run(prompts_path, draft_dir, acceptance_path, output_path, *, target_dir, en
                 "eagle_aux_hidden_state_layer_ids"]
             measured = [{"variant": "as served", "kind": "none", "layer_ids": ids, "served_tau": as_served,
                          "drafts": n, "std_error": se}]
+            own = load_tokenizer(target_dir) if chat_template else None
             for name, variant in diagnose_mod.template_variants(tokenizer, conversations[:diagnose_prompts],
-                                                                template_kwargs, traced).items():
+                                                                template_kwargs, traced, own).items():
                 vtau, vn, vse = diagnose_mod.served_tau(eng, variant, sampling)
                 log.info("diagnosis k=%d: prompts rendered as '%s' -> served tau %.3f (%d drafts)", k, name, vtau, vn)
                 measured.append({"variant": name, "kind": "template", "served_tau": vtau, "drafts": vn,

@@ -16,6 +16,8 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+from .engines.transformers import render_chat
+
 log = logging.getLogger(__name__)
 
 
@@ -39,20 +41,18 @@ def std_error(accepted_per_pos: list[int], drafts: int) -> float:
     return max(second - mean * mean, 0.0) ** 0.5 / drafts ** 0.5
 
 
-def render(tokenizer, messages: list[dict], template_kwargs: dict, generation_prompt: bool = True) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
-                                        **template_kwargs)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
-
-
 def template_variants(tokenizer, conversations: list[list[dict]], template_kwargs: dict,
-                      traced: list[list[int]] | None) -> dict[str, list[list[int]]]:
-    """Prompt ids per rendering that differs from the served one: traces' own ids, system prompt, generation prompt."""
+                      traced: list[list[int]] | None, target_tokenizer=None) -> dict[str, list[list[int]]]:
+    """Prompt ids per rendering that differs from the served one: traces' own ids, the target's own template (when
+    an override template is served), system prompt, generation prompt, template kwargs."""
+    def render(tok, messages, kwargs, generation_prompt=True):
+        return render_chat(tok, messages, kwargs, generation_prompt=generation_prompt)
+
     served = [render(tokenizer, m, template_kwargs) for m in conversations]
     variants = {
         "prompt ids the traces used": traced,
+        "the target's own chat template": None if target_tokenizer is None else
+        [render(target_tokenizer, m, template_kwargs) for m in conversations],
         "without add_generation_prompt": [render(tokenizer, m, template_kwargs, False) for m in conversations],
         # An empty system turn suppresses a template's default system prompt (SmolLM2's ChatML template has one).
         "empty system prompt": [render(tokenizer, m if m[0]["role"] == "system" else

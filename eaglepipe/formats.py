@@ -2,9 +2,15 @@
 
 Trace shard (Parquet, one row per conversation), columns:
     id (str), split (str), messages (JSON str: the prompt conversation), prompt_ids (list<int32>: the exact ids
-    given to the engine), output_ids (list<int32>: the exact ids the engine generated), text (str: decoded output),
-    finish_reason (str: "stop" | "length" | "error"), prompt_tokens (int32), output_tokens (int32),
-    error (str, empty when none). The loss mask of a row is 0 over prompt_ids and 1 over output_ids.
+    given to the engine), output_ids (list<int32>: the exact ids the engine generated), text (str: decoded output,
+    special tokens and thinking markers included), reasoning and response (str: the output split at the reasoning
+    markers, for people; never training data), reasoning_status (str: "complete" | "unterminated" | "absent", ""
+    when the target has no markers), loss_spans (list<int32>: flattened [start, end) positions of prompt_ids +
+    output_ids that the engine generated: output_ids, plus earlier regenerated turns in multi_turn "all"),
+    turns (int32: assistant turns regenerated), finish_reason (str: "stop" | "length" | "error"),
+    prompt_tokens (int32), output_tokens (int32), error (str, empty when none).
+    messages is the conversation prompt_ids renders (regenerated earlier turns included). The loss mask of a row is
+    1 inside loss_spans and 0 elsewhere.
 
 Hidden-state shard (safetensors), packed tokens of one trace shard's successful rows in id order:
     input_ids  int32  [T]        prompt_ids + output_ids of each row, concatenated
@@ -45,6 +51,11 @@ TRACE_SCHEMA = pa.schema(
         ("prompt_ids", pa.list_(pa.int32())),
         ("output_ids", pa.list_(pa.int32())),
         ("text", pa.string()),
+        ("reasoning", pa.string()),
+        ("response", pa.string()),
+        ("reasoning_status", pa.string()),
+        ("loss_spans", pa.list_(pa.int32())),
+        ("turns", pa.int32()),
         ("finish_reason", pa.string()),
         ("prompt_tokens", pa.int32()),
         ("output_tokens", pa.int32()),
@@ -85,7 +96,11 @@ def write_table(path, rows: list[dict], schema: pa.Schema) -> None:
 
 
 def read_table(path, schema: pa.Schema | None = None) -> list[dict]:
-    table = pq.read_table(path)
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as err:
+        raise ValueError(f"{path}: not a readable Parquet file ({err}); delete it and rerun the rule that writes "
+                         "it (or fix the source file)") from None
     if schema is not None:
         missing = set(schema.names) - set(table.column_names)
         if missing:

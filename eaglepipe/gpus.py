@@ -32,7 +32,11 @@ def visible_gpus() -> int:
 
 def claim(count: int, lock_dir=".snakemake/eaglepipe-gpu-locks") -> list[int]:
     """Lock `count` free GPU slots for this process and make them its CUDA_VISIBLE_DEVICES; returns their ids."""
-    if count <= 0 or "SLURM_JOB_ID" in os.environ:
+    if count <= 0:
+        return []
+    if "SLURM_JOB_ID" in os.environ:
+        log.info("SLURM job %s: %s GPUs on the node, CUDA_VISIBLE_DEVICES=%s set by SLURM", os.environ["SLURM_JOB_ID"],
+                 os.environ.get("SLURM_GPUS_ON_NODE", "no"), os.environ.get("CUDA_VISIBLE_DEVICES", "(unset)"))
         return []
     if "CUDA_VISIBLE_DEVICES" in os.environ and not _held:
         log.info("CUDA_VISIBLE_DEVICES=%s set by the caller; not claiming GPUs", os.environ["CUDA_VISIBLE_DEVICES"])

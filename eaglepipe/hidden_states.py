@@ -6,6 +6,7 @@ Shard and manifest formats are defined in formats.py.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
@@ -21,8 +22,18 @@ from .formats import (
 )
 from .logs import Progress
 from .target import fingerprint, read_info, resolve_layer_ids
+from .units import Units
+from .units import fingerprint as units_key
 
 log = logging.getLogger(__name__)
+
+
+def loss_mask(spans: list[int], length: int) -> list[int]:
+    """1 on the positions the engine generated (the trace row's loss_spans), 0 elsewhere."""
+    mask = [0] * length
+    for start, end in zip(spans[::2], spans[1::2]):
+        mask[start:end] = [1] * (end - start)
+    return mask
 
 
 def sequences_of(rows: list[dict], max_length: int) -> tuple[list[str], list[list[int]], list[list[int]]]:
@@ -32,7 +43,7 @@ def sequences_of(rows: list[dict], max_length: int) -> tuple[list[str], list[lis
         if row["error"] or not row["output_ids"]:
             continue
         tokens = (list(row["prompt_ids"]) + list(row["output_ids"]))[:max_length]
-        mask = ([0] * len(row["prompt_ids"]) + [1] * len(row["output_ids"]))[:max_length]
+        mask = loss_mask(row["loss_spans"], len(row["prompt_ids"]) + len(row["output_ids"]))[:max_length]
         if sum(mask) == 0:
             continue  # the prompt alone fills max_length: nothing generated to learn from
         ids.append(row["id"])
@@ -41,21 +52,35 @@ def sequences_of(rows: list[dict], max_length: int) -> tuple[list[str], list[lis
     return ids, seqs, masks
 
 
-def run(trace_path, output_path, *, target_dir, layer_ids, engine: dict, max_length: int, chunk_size: int) -> None:
+def run(trace_path, output_path, *, target_dir, layer_ids, engine: dict, max_length: int, chunk_size: int,
+        progress_dir=None) -> None:
     info = read_info(target_dir)
     layer_ids = resolve_layer_ids(layer_ids, info)
     ids, seqs, masks = sequences_of(read_table(trace_path, TRACE_SCHEMA), max_length)
     progress = Progress(f"hidden states {trace_path}", len(seqs), "tok/s")
     aux, final = [], []
+    # Chunks are the units of resume: a rerun after a crash captures only the chunks not yet stored.
+    key = units_key(sha256_file(trace_path), fingerprint(target_dir), layer_ids, engine, max_length, chunk_size,
+                    Path(__file__).read_text())
+    units = Units(progress_dir or Path(output_path).with_name(f".{Path(output_path).name}.progress"), key,
+                  f"hidden states {trace_path}")
     with open_engine(target_dir, EngineSettings.from_config(engine)) as eng:
         for start in range(0, len(seqs), chunk_size):
             chunk = seqs[start: start + chunk_size]
+            stored = units.load(start // chunk_size)
+            if stored is not None:
+                aux.append(stored["aux"])
+                final.append(stored["final"])
+                progress.update(len(chunk), sum(map(len, chunk)))
+                continue
             for cap, seq in zip(eng.capture(chunk, layer_ids), chunk):
                 if cap.aux.shape[:2] != (len(seq), 3) or cap.final.shape[0] != len(seq):
                     raise RuntimeError(f"engine returned aux {tuple(cap.aux.shape)} / final "
                                        f"{tuple(cap.final.shape)} for a {len(seq)}-token sequence")
                 aux.append(cap.aux)
                 final.append(cap.final)
+            n = len(chunk)
+            units.save(start // chunk_size, {"aux": torch.cat(aux[-n:]), "final": torch.cat(final[-n:])})
             progress.update(len(chunk), sum(map(len, chunk)))
     lengths = torch.tensor([0] + [len(s) for s in seqs], dtype=torch.int64)
     hidden = info.hidden_size
@@ -69,6 +94,7 @@ def run(trace_path, output_path, *, target_dir, layer_ids, engine: dict, max_len
     metadata = {"ids": ids, "layer_ids": layer_ids, "layer_convention": LAYER_CONVENTION,
                 "target_fingerprint": fingerprint(target_dir)}
     write_hidden_shard(output_path, tensors, metadata)
+    units.finish(-(-len(seqs) // chunk_size))
 
 
 def manifest(shard_paths: dict[str, list[str]], output_path, *, target_dir, engine: str) -> None:

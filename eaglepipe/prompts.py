@@ -5,7 +5,8 @@ Accepted records (JSONL or Parquet), one conversation each:
     {"conversations": [{"from": "human", "value": "..."}, ...]}      ShareGPT form
     {"prompt": "..."}                                                 plain form
 An optional "id" is kept; otherwise the id is the content hash. Trailing assistant turns are dropped: the target
-regenerates them. Split: a record is eval when hash(id) falls below eval_fraction, so adding prompts never moves
+regenerates them (earlier ones stay; generation.multi_turn decides whether they are regenerated too). System turns
+follow prompts.system_policy. Split: a record is eval when hash(id) falls below eval_fraction, so adding prompts never moves
 existing ones between splits.
 """
 
@@ -17,6 +18,7 @@ import logging
 from importlib import resources
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .formats import PROMPT_SCHEMA, stable_hash, write_table
@@ -41,7 +43,10 @@ def read_records(path) -> list[tuple[int, dict]]:
     if not path.is_file():
         raise PromptError(f"prompt file {path} does not exist; fix config key prompts.sources")
     if path.suffix == ".parquet":
-        return list(enumerate(pq.read_table(path).to_pylist(), start=1))
+        try:
+            return list(enumerate(pq.read_table(path).to_pylist(), start=1))
+        except (pa.ArrowInvalid, OSError) as err:
+            raise PromptError(f"prompt file {path}: not a readable Parquet file ({err}); fix or replace it") from None
     records = []
     with open(path, encoding="utf-8") as f:
         for row, line in enumerate(f, start=1):
@@ -100,10 +105,12 @@ def split_of(prompt_id: str, eval_fraction: float) -> str:
 
 
 def run(sources: list[str], outputs: dict, *, eval_fraction: float, max_prompts: int | None,
-        max_prompt_tokens: int, too_long: str, target_dir, system_prompt: str | None, template_kwargs: dict) -> None:
+        max_prompt_tokens: int, too_long: str, target_dir, system_prompt: str | None, template_kwargs: dict,
+        system_policy: str = "add", chat_template: str | None = None) -> None:
     from .engines.transformers import load_tokenizer, render_chat
+    from .reasoning import apply_system_policy, read_template
 
-    tokenizer = load_tokenizer(target_dir)
+    tokenizer = load_tokenizer(target_dir, read_template(chat_template) if chat_template else None)
     sources = sources or [default_source()]
     seen: dict[str, str] = {}
     rows = {"train": [], "eval": []}
@@ -112,8 +119,7 @@ def run(sources: list[str], outputs: dict, *, eval_fraction: float, max_prompts:
         for row, record in read_records(source):
             where = f"{source}, row {row}"
             messages = normalise(record, where)
-            if system_prompt is not None and messages[0]["role"] != "system":
-                messages.insert(0, {"role": "system", "content": system_prompt})
+            messages = apply_system_policy(messages, system_policy, system_prompt)
             digest = content_hash(messages)
             if digest in seen:
                 duplicates += 1

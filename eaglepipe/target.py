@@ -48,7 +48,10 @@ def read_info(target_dir) -> TargetInfo:
     if not path.is_file():
         raise FileNotFoundError(f"target checkpoint {target_dir}: no config.json; point target.path at a Hugging "
                                 "Face checkpoint folder (config.json, tokenizer, *.safetensors)")
-    config = json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err}); restore the checkpoint's config.json") from None
     text = _text_config(config)
     try:
         return TargetInfo(num_layers=int(text["num_hidden_layers"]), hidden_size=int(text["hidden_size"]),
@@ -100,32 +103,40 @@ def load_lm_head(target_dir) -> torch.Tensor:
     """The target's output projection [vocab, H] (the input embedding when the weights are tied)."""
     target_dir = Path(target_dir)
     info = read_info(target_dir)
-    tied = info.config.get("tie_word_embeddings", False)
-    wanted = ["lm_head.weight", "language_model.lm_head.weight"]
-    if tied:
-        wanted = ["model.embed_tokens.weight", "language_model.model.embed_tokens.weight"] + wanted
-    return _load_tensor(target_dir, wanted)
+    if info.config.get("tie_word_embeddings", False):
+        return load_embeddings(target_dir)
+    return _load_tensor(target_dir, "lm_head.weight")
 
 
 def load_final_norm(target_dir) -> tuple[torch.Tensor, float]:
     """The target's final RMSNorm weight [H] and epsilon."""
     info = read_info(target_dir)
-    weight = _load_tensor(Path(target_dir), ["model.norm.weight", "language_model.model.norm.weight"])
-    return weight, float(info.config.get("rms_norm_eps", 1e-6))
+    return _load_tensor(Path(target_dir), "norm.weight"), float(info.config.get("rms_norm_eps", 1e-6))
 
 
 def load_embeddings(target_dir) -> torch.Tensor:
-    return _load_tensor(Path(target_dir), ["model.embed_tokens.weight", "language_model.model.embed_tokens.weight"])
+    return _load_tensor(Path(target_dir), "embed_tokens.weight")
 
 
-def _load_tensor(target_dir: Path, names: list[str]) -> torch.Tensor:
+# Parts of multimodal checkpoints (Kimi-K2.5's vision tower and projector) that also hold norms and embeddings.
+NOT_LANGUAGE_MODEL = ("vision", "visual", "mm_projector", "multi_modal", "image")
+
+
+def _load_tensor(target_dir: Path, suffix: str) -> torch.Tensor:
+    """The language model's tensor named `suffix` outside the decoder layers, whatever prefix the architecture
+    puts before it (model., language_model.model., model.language_model.); the shortest name wins."""
+    found = []
     for path in _safetensors_files(target_dir):
         with safe_open(str(path), framework="pt") as f:
-            keys = set(f.keys())
-            for name in names:
-                if name in keys:
-                    return f.get_tensor(name)
-    raise KeyError(f"target checkpoint {target_dir}: none of {names} found in its safetensors files")
+            found += [(len(k), k, path) for k in f.keys()
+                      if (k == suffix or k.endswith("." + suffix)) and ".layers." not in k
+                      and not any(part in k for part in NOT_LANGUAGE_MODEL)]
+    if not found:
+        raise KeyError(f"target checkpoint {target_dir}: no tensor named *{suffix} (outside the decoder layers) in "
+                       "its safetensors files; is it a decoder-only language model?")
+    _, name, path = min(found)
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_tensor(name)
 
 
 def fetch_embedded(out_dir, *, dtype: str = "bfloat16") -> None:

@@ -6,9 +6,10 @@ work. The trace shard format is defined in formats.py.
 
 from __future__ import annotations
 
-import json
 import logging
+from pathlib import Path
 
+from . import reasoning
 from .engines.base import EngineSettings, Sampling, open_engine
 from .formats import (
     PROMPT_SCHEMA,
@@ -19,6 +20,8 @@ from .formats import (
     write_table,
 )
 from .logs import Progress
+from .target import fingerprint as target_fingerprint
+from .units import Units, fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -28,47 +31,61 @@ def shard_of(prompt_id: str, num_shards: int) -> int:
 
 
 def run(prompts_path, output_path, *, target_dir, split: str, shard: int, num_shards: int, engine: dict,
-        sampling: dict, template_kwargs: dict, chunk_size: int, max_error_share: float) -> None:
-    from .engines.transformers import load_tokenizer, render_chat
+        sampling: dict, template_kwargs: dict, chunk_size: int, max_error_share: float,
+        chat_template: str | None = None, reasoning_markers=None, multi_turn: str = "last",
+        progress_dir=None) -> None:
+    from .engines.transformers import load_tokenizer
 
     prompts = [r for r in read_table(prompts_path, PROMPT_SCHEMA) if shard_of(r["id"], num_shards) == shard]
-    tokenizer = load_tokenizer(target_dir)
-    rendered = [render_chat(tokenizer, json.loads(r["messages"]), template_kwargs) for r in prompts]
+    template = reasoning.read_template(chat_template) if chat_template else None
+    tokenizer = load_tokenizer(target_dir, template)
+    markers = reasoning.resolve_markers(reasoning_markers, tokenizer)
+    log.info("reasoning markers: %s; multi-turn: %s", markers, multi_turn)
     settings = Sampling(**sampling)
     rows = []
     progress = Progress(f"traces {split}/shard-{shard}", len(prompts), "tok/s")
+    # Chunks are the units of resume: a rerun after a crash regenerates only the chunks not yet stored.
+    key = fingerprint([(r["id"], r["messages"]) for r in prompts], target_fingerprint(target_dir), engine, sampling,
+                      template_kwargs, template, markers, multi_turn, chunk_size, str(TRACE_SCHEMA),
+                      Path(__file__).read_text(), Path(reasoning.__file__).read_text())
+    units = Units(progress_dir or Path(output_path).with_name(f".{Path(output_path).name}.progress"), key,
+                  f"traces {split}/shard-{shard}")
     with open_engine(target_dir, EngineSettings.from_config(engine)) as eng:
         # Chunks keep the log speaking and prove on the first chunk that the engine works before the rest runs.
         for start in range(0, len(prompts), chunk_size):
             chunk = slice(start, start + chunk_size)
-            for prompt, gen in zip(prompts[chunk], eng.generate(rendered[chunk], settings)):
-                rows.append({
-                    "id": prompt["id"], "split": split, "messages": prompt["messages"],
-                    "prompt_ids": gen.prompt_ids, "output_ids": gen.output_ids,
-                    "text": tokenizer.decode(gen.output_ids, skip_special_tokens=False),
-                    "finish_reason": gen.finish_reason, "prompt_tokens": len(gen.prompt_ids),
-                    "output_tokens": len(gen.output_ids), "error": gen.error,
-                })
-                if gen.error:
-                    log.warning("prompt %s failed: %s", prompt["id"], gen.error)
-            done = rows[-len(prompts[chunk]):]
+            stored = units.load(start // chunk_size)
+            if stored is not None:
+                rows += stored
+                progress.update(len(stored), sum(r["output_tokens"] for r in stored))
+                continue
+            done = reasoning.regenerate(eng, tokenizer, prompts[chunk], settings, split_name=split,
+                                        template_kwargs=template_kwargs, markers=markers, multi_turn=multi_turn)
+            rows += done
+            for row in done:
+                if row["error"]:
+                    log.warning("prompt %s failed: %s", row["id"], row["error"])
             progress.update(len(done), sum(r["output_tokens"] for r in done))
             if start == 0 and done and all(r["error"] for r in done):
                 raise RuntimeError(f"every request of the first chunk failed, e.g.: {done[0]['error']}")
+            if not any(r["error"] for r in done):  # a chunk with failures is retried on a rerun: they may be transient
+                units.save(start // chunk_size, done)
     errors = sum(1 for r in rows if r["error"])
     if rows and errors / len(rows) > max_error_share:
         raise RuntimeError(f"traces {split}/shard-{shard}: {errors} of {len(rows)} requests failed, more than "
                            f"generation.max_error_share={max_error_share}; see the warnings above for reasons")
     write_table(output_path, rows, TRACE_SCHEMA)
+    units.finish(-(-len(prompts) // chunk_size))
 
 
 def stats(shard_paths: list[str], output_path) -> None:
-    """Aggregate figures of all trace shards: samples, errors, truncation, tokens."""
+    """Aggregate figures of all trace shards: samples, errors, truncation, tokens, reasoning capture."""
     out = {}
     for split in ("train", "eval"):
         rows = [r for p in shard_paths for r in read_table(p, TRACE_SCHEMA) if r["split"] == split]
         ok = [r for r in rows if not r["error"]]
         out[split] = {
+            **reasoning.stats(rows),
             "samples": len(rows), "errors": len(rows) - len(ok),
             "truncated_share": sum(r["finish_reason"] == "length" for r in ok) / max(len(ok), 1),
             "prompt_tokens": sum(r["prompt_tokens"] for r in ok),

@@ -1,29 +1,46 @@
-"""Train stage: the EAGLE-3 draft on stored hidden states, with a training-time-test unroll.
+"""Train stage: the EAGLE-3 draft on stored hidden states, with a training-time-test unroll, on one process or
+several (torchrun, DDP), resumable from checkpoints.
 
 Loss at unroll step j: soft cross-entropy between the draft's distribution and the target's distribution on the
 draft vocabulary, over positions whose next token was generated, weighted by decay**j. train_log.jsonl holds one
 JSON object per logging point: step, epoch, lr, loss and acc (one value per unroll step), tokens.
+
+Data order: the whole schedule of global batches is fixed up front from the seed (shards in a seeded order, the
+sequences of each shard in a seeded order, packed into batches of at most max_batch_tokens). With N processes rank r
+takes sequences r, r+N, ... of every global batch, reads only those rows from the shard, and its loss is scaled so
+that DDP's gradient average equals the single-process gradient of the whole global batch.
 """
 
 from __future__ import annotations
 
+import argparse
+import ctypes
+import hashlib
 import json
 import logging
 import math
 import os
+import shutil
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import vocab as vocab_map
-from .batches import collate, plan, step_inputs, step_mask, targets
+from .batches import collate, plan, read_sequences, sequence_lengths, step_inputs, step_mask, targets
 from .draft import DraftConfig, Eagle3Draft, save_checkpoint
-from .formats import atomic_path, read_hidden_shard
+from .formats import atomic_path
 from .target import load_embeddings, load_lm_head, read_info
 
 log = logging.getLogger(__name__)
+
+# Settings that change neither the result nor the schedule: a checkpoint made under other values still applies.
+NOT_FINGERPRINTED = ("threads", "checkpoint_every", "gpus", "processes")
 
 
 def lr_at(step: int, total: int, lr: float, warmup: int) -> float:
@@ -33,21 +50,34 @@ def lr_at(step: int, total: int, lr: float, warmup: int) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def unroll_losses(model: Eagle3Draft, batch, embed, draft_head, t2d, steps: int):
-    """Per unroll step: (loss, correct, count) over that step's valid positions."""
-    probs, valid = targets(batch, draft_head, t2d)
-    results = []
-    for j, out in enumerate(model.unroll(batch.aux, step_inputs(batch, steps, embed), batch.positions, batch.mask)):
-        rows = step_mask(batch, valid, j).nonzero().squeeze(1)
-        if rows.numel() == 0:
-            results.append((out.sum() * 0.0, 0, 0))
-            continue
-        logp = F.log_softmax(model.lm_head(out[0, rows]).float(), -1)  # logits only where there is a target
-        target = probs[rows + 1 + j]
-        loss = -(target * logp).sum(-1).mean()
-        correct = int((logp.argmax(-1) == target.argmax(-1)).sum())
-        results.append((loss, correct, rows.numel()))
-    return results
+class Objective(torch.nn.Module):
+    """The weighted unroll loss of one rank's part of a global batch; a module so that DDP can wrap it."""
+
+    def __init__(self, model: Eagle3Draft):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch, embed, probs, valid, denominators: list[float], decay: float, scale: float):
+        """Returns (loss, [(loss sum, correct, count) per unroll step]); loss = scale * sum_j decay**j *
+        (loss sum_j / denominators[j]), so with scale = world size DDP's average is the global batch's loss."""
+        model = self.model
+        if batch is None:  # this rank has no sequence in the batch: it still joins the gradient average, with zeros
+            return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0, [(0.0, 0, 0)] * len(denominators)
+        loss, stats = 0.0, []
+        for j, out in enumerate(model.unroll(batch.aux, step_inputs(batch, len(denominators), embed),
+                                             batch.positions, batch.mask)):
+            rows = step_mask(batch, valid, j).nonzero().squeeze(1)
+            if rows.numel() == 0:  # keep every parameter in the graph: DDP expects a gradient for each
+                loss = loss + (out.sum() + model.lm_head.weight.sum()) * 0.0
+                stats.append((0.0, 0, 0))
+                continue
+            logp = F.log_softmax(model.lm_head(out[0, rows]).float(), -1)  # logits only where there is a target
+            target = probs[rows + 1 + j]
+            total = -(target * logp).sum()
+            correct = int((logp.argmax(-1) == target.argmax(-1)).sum())
+            loss = loss + decay ** j * total / max(denominators[j], 1.0)
+            stats.append((float(total.detach()), correct, rows.numel()))
+        return loss * scale, stats
 
 
 def init_draft(config: DraftConfig, vocab: dict, draft_head: torch.Tensor, seed: int) -> Eagle3Draft:
@@ -64,12 +94,48 @@ def init_draft(config: DraftConfig, vocab: dict, draft_head: torch.Tensor, seed:
     return model
 
 
+def schedule(cu_seqlens: list[torch.Tensor], settings: dict) -> list[tuple[int, int, list[int]]]:
+    """Every global batch in training order as (epoch, shard index, sequence indices), from the seed alone."""
+    rng = torch.Generator().manual_seed(settings["seed"])
+    order = []
+    for epoch in range(settings["epochs"]):
+        for s in torch.randperm(len(cu_seqlens), generator=rng).tolist():
+            n = cu_seqlens[s].numel() - 1
+            perm = torch.randperm(n, generator=rng).tolist()
+            order += [(epoch, s, b) for b in plan(cu_seqlens[s], settings["max_batch_tokens"], perm)]
+    return order
+
+
+def fingerprint(settings: dict, world: int, files: list) -> str:
+    """What a checkpoint must agree with to be resumed: settings, process count, and the input files' bytes."""
+    h = hashlib.sha256(json.dumps([{k: v for k, v in sorted(settings.items()) if k not in NOT_FINGERPRINTED},
+                                   world], sort_keys=True).encode())
+    for path in files:
+        h.update(Path(path).read_bytes())  # small files (manifest with the shards' sha256, vocab map)
+    return h.hexdigest()
+
+
+def state_hash(model: Eagle3Draft) -> str:
+    h = hashlib.sha256()
+    for name, value in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: list[int], settings: dict,
-        threads: int) -> None:
+        threads: int, fingerprint_files: list = (), progress_dir=None, weights_out=None) -> Eagle3Draft:
+    """Train and write model.safetensors, config.json, train_log.jsonl to out_dir (rank 0 only). Under torchrun the
+    process group must be initialised; every rank returns the same trained model. weights_out: a folder where each
+    rank saves its float32 weights as rank-<r>.pt (to compare ranks and runs)."""
     torch.set_num_threads(threads)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, set before CUDA starts
     torch.use_deterministic_algorithms(True, warn_only=True)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     device = torch.device(settings["device"])
+    if device.type == "cuda" and world > 1:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
     info = read_info(target_dir)
     vocab = vocab_map.load(vocab_path)
     config = DraftConfig.from_target(info.config, draft_vocab_size=int(vocab["d2t"].numel()), aux_layer_ids=layer_ids)
@@ -81,53 +147,167 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=settings["lr"], weight_decay=settings["weight_decay"])
 
-    shards = [read_hidden_shard(p)[0] for p in sorted(shard_paths)]
-    rng = torch.Generator().manual_seed(settings["seed"])
-    max_tokens, steps, decay = settings["max_batch_tokens"], settings["ttt_steps"], settings["ttt_decay"]
-    epochs = []
-    for _ in range(settings["epochs"]):  # the whole schedule is fixed up front: seeded order, known length
-        order = []
-        for s in torch.randperm(len(shards), generator=rng).tolist():
-            n = shards[s]["cu_seqlens"].numel() - 1
-            order += [(s, b) for b in plan(shards[s]["cu_seqlens"], max_tokens, torch.randperm(n, generator=rng).tolist())]
-        epochs.append(order)
-    total = sum(map(len, epochs))
+    shard_paths = sorted(map(str, shard_paths))
+    cus = [sequence_lengths(p) for p in shard_paths]
+    batches = schedule(cus, settings)
+    total = len(batches)
     if total == 0:
         raise ValueError("no training sequences in the hidden-state shards; check the traces stats")
-    log.info("training: %d epochs, %d steps, %d unroll steps, draft vocab %d", len(epochs), total, steps,
-             config.draft_vocab_size)
+    max_tokens, steps, decay = settings["max_batch_tokens"], settings["ttt_steps"], settings["ttt_decay"]
 
     out_dir = Path(out_dir)
-    records, step, start, seen = [], 0, time.monotonic(), 0
-    acc_sum = [[0.0, 0, 0] for _ in range(steps)]  # loss*count, correct, count since the last log line
-    for epoch, order in enumerate(epochs):
-        for s, seqs in order:
-            batch = collate(shards[s], seqs, max_tokens, torch.float32, device)
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, total, settings["lr"], settings["warmup_steps"])
-            results = unroll_losses(model, batch, embed, draft_head, t2d, steps)
-            loss = sum(decay ** j * r[0] for j, r in enumerate(results))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, settings["grad_clip"])
-            opt.step()
-            step += 1
-            seen += batch.tokens
-            for j, (l, correct, count) in enumerate(results):
-                acc_sum[j][0] += float(l.detach()) * count
-                acc_sum[j][1] += correct
-                acc_sum[j][2] += count
-            if step % settings["log_every"] == 0 or step == total:
-                records.append({
-                    "step": step, "epoch": epoch, "lr": opt.param_groups[0]["lr"], "tokens": seen,
-                    "loss": [round(a[0] / max(a[2], 1), 5) for a in acc_sum],
-                    "acc": [round(a[1] / max(a[2], 1), 5) for a in acc_sum],
-                })
-                acc_sum = [[0.0, 0, 0] for _ in range(steps)]
-                elapsed = time.monotonic() - start
+    progress_dir = Path(progress_dir) if progress_dir else out_dir / ".progress"
+    key = fingerprint(settings, world, list(fingerprint_files))
+    records, step, seen = [], 0, 0
+    acc_sum = [[0.0, 0, 0] for _ in range(steps)]  # loss sum, correct, count since the last log line
+    resumed = load_progress(progress_dir, key, model, opt)
+    if resumed:
+        step, seen, records, acc_sum = resumed["step"], resumed["seen"], resumed["records"], resumed["acc_sum"]
+        log.info("resuming from the checkpoint at step %d of %d in %s", step, total, progress_dir)
+    log.info("training: %d epochs, %d steps, %d unroll steps, draft vocab %d, %d process(es), rank %d",
+             settings["epochs"], total, steps, config.draft_vocab_size, world, rank)
+
+    objective = Objective(model)
+    if world > 1:
+        objective = torch.nn.parallel.DistributedDataParallel(objective, broadcast_buffers=False)
+    start, first, seen_before = time.monotonic(), step, seen
+    every = settings["checkpoint_every"]
+    for epoch, s, seqs in batches[step:]:
+        mine = seqs[rank::world]
+        batch = probs = valid = None
+        if mine:
+            rows, local = read_sequences(shard_paths[s], mine, max_tokens)
+            batch = collate(rows, local, max_tokens, torch.float32, device)
+            probs, valid = targets(batch, draft_head, t2d)
+            counts = torch.tensor([float(step_mask(batch, valid, j).sum()) for j in range(steps)], dtype=torch.float64)
+        else:
+            counts = torch.zeros(steps, dtype=torch.float64)
+        counts = all_sum(counts, device)  # the global batch's positions per unroll step: each rank's denominator
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, total, settings["lr"], settings["warmup_steps"])
+        loss, stats = objective(batch, embed, probs, valid, counts.tolist(), decay, float(world))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, settings["grad_clip"])
+        opt.step()
+        step += 1
+        lengths = (cus[s][1:] - cus[s][:-1]).clamp(max=max_tokens)
+        seen += int(lengths[seqs].sum())
+        stats = all_sum(torch.tensor(stats, dtype=torch.float64), device)
+        for j, (l, correct, count) in enumerate(stats.tolist()):
+            acc_sum[j][0] += l
+            acc_sum[j][1] += int(correct)
+            acc_sum[j][2] += int(count)
+        if step % settings["log_every"] == 0 or step == total:
+            records.append({
+                "step": step, "epoch": epoch, "lr": opt.param_groups[0]["lr"], "tokens": seen,
+                "loss": [round(a[0] / max(a[2], 1), 5) for a in acc_sum],
+                "acc": [round(a[1] / max(a[2], 1), 5) for a in acc_sum],
+            })
+            acc_sum = [[0.0, 0, 0] for _ in range(steps)]
+            elapsed = max(time.monotonic() - start, 1e-9)
+            if rank == 0:
                 log.info("step %d/%d epoch %d: loss %.3f acc@0 %.3f acc@%d %.3f, %.0f tok/s, ETA %.0fs", step,
                          total, epoch, records[-1]["loss"][0], records[-1]["acc"][0], steps - 1,
-                         records[-1]["acc"][-1], seen / elapsed, elapsed / step * (total - step))
-    save_checkpoint(model, out_dir)
-    with atomic_path(out_dir / "train_log.jsonl") as tmp:
-        tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+                         records[-1]["acc"][-1], (seen - seen_before) / elapsed,
+                         elapsed / (step - first) * (total - step))
+        if rank == 0 and every and step % every == 0 and step < total:
+            save_progress(progress_dir, key, model, opt, step=step, seen=seen, records=records, acc_sum=acc_sum)
+    log.info("rank %d of %d: final weights sha256 %s", rank, world, state_hash(model))
+    if weights_out:
+        Path(weights_out).mkdir(parents=True, exist_ok=True)
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, Path(weights_out) / f"rank-{rank}.pt")
+    if rank == 0:
+        save_checkpoint(model, out_dir)
+        with atomic_path(out_dir / "train_log.jsonl") as tmp:
+            tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+        shutil.rmtree(progress_dir, ignore_errors=True)  # the outputs are complete: nothing left to resume
+    return model
+
+
+def all_sum(t: torch.Tensor, device) -> torch.Tensor:
+    """Sum of `t` over the ranks (t itself on one process); through `device`, since NCCL reduces only GPU tensors."""
+    if not dist.is_initialized():
+        return t
+    t = t.to(device)
+    dist.all_reduce(t)
+    return t.cpu()
+
+
+def save_progress(folder: Path, key: str, model, opt, **position) -> None:
+    """One checkpoint unit, replaced atomically: weights, optimizer, RNG and the position in the schedule (the
+    learning-rate schedule is a function of the step)."""
+    unit = {"fingerprint": key, "model": model.state_dict(), "optimizer": opt.state_dict(),
+            "rng": torch.get_rng_state(), **position}
+    with atomic_path(folder / "checkpoint.pt") as tmp:
+        torch.save(unit, tmp)
+    log.info("checkpoint at step %d written to %s", position["step"], folder / "checkpoint.pt")
+
+
+def load_progress(folder: Path, key: str, model, opt) -> dict | None:
+    path = folder / "checkpoint.pt"
+    if not path.is_file():
+        return None
+    unit = torch.load(path, weights_only=True)
+    if unit["fingerprint"] != key:
+        log.info("discarding %s: it was made with other inputs or settings", path)
+        path.unlink()
+        return None
+    model.load_state_dict(unit["model"])
+    opt.load_state_dict(unit["optimizer"])
+    torch.set_rng_state(unit["rng"])
+    return unit
+
+
+def processes(settings: dict) -> int:
+    """Training processes: one per GPU when the job declares GPUs, else train.processes (CPU, gloo)."""
+    return settings["gpus"] if settings["gpus"] > 0 else settings["processes"]
+
+
+def launch(kwargs: dict, nprocs: int) -> None:
+    """Run training in this process, or under torchrun with nprocs processes on this node (output goes to this
+    process's stderr, the rule's log)."""
+    if nprocs <= 1:
+        run(**kwargs)
+        return
+    kwargs = {**kwargs, "threads": max(1, kwargs["threads"] // nprocs)}
+    args_path = Path(kwargs.get("progress_dir") or Path(kwargs["out_dir"]) / ".progress") / "torchrun-args.json"
+    with atomic_path(args_path) as tmp:
+        tmp.write_text(json.dumps(kwargs, default=str))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nprocs),
+           "-m", "eaglepipe.train", str(args_path)]
+    log.info("launching %s", " ".join(cmd))
+    result = subprocess.run(cmd)
+    args_path.unlink(missing_ok=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"torchrun with {nprocs} processes failed (exit {result.returncode}); the ranks' errors "
+                           "are above in this log")
+
+
+def _die_with_parent() -> None:
+    """torchrun starts ranks in sessions of their own: without this a killed job would leave them training."""
+    parent = os.getppid()
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def main(argv=None) -> None:
+    """Entry point of one torchrun rank: `python -m eaglepipe.train ARGS.json`."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("args", help="JSON file with the keyword arguments of eaglepipe.train.run")
+    kwargs = json.loads(Path(parser.parse_args(argv).args).read_text())
+    if sys.platform == "linux":
+        _die_with_parent()
+    rank = int(os.environ.get("RANK", 0))
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [rank {rank}]: %(message)s")
+    backend = "nccl" if kwargs["settings"]["device"].startswith("cuda") else "gloo"
+    dist.init_process_group(backend)
+    try:
+        run(**kwargs)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

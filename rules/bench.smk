@@ -14,6 +14,7 @@ rule bench:
         bench=config["bench"],
         engine=config["engine"],
         template_kwargs=config["generation"]["template_kwargs"],
+        chat_template=config["target"]["chat_template"],
     threads: config["train"]["threads"]
     resources:
         gpu=config["engine"]["gpus"],

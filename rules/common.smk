@@ -1,8 +1,12 @@
 import os
+import sys
 
 from snakemake.exceptions import WorkflowError
 
 import eaglepipe.config
+import eaglepipe.estimate
+import eaglepipe.reasoning
+import eaglepipe.target
 
 try:
     eaglepipe.config.validate(config, workflow.source_path("../config/schema.yaml"))
@@ -20,16 +24,83 @@ wildcard_constraints:
 
 
 def target_dir():
-    """The target checkpoint: a user's local folder (never rebuilt) or the embedded default."""
+    """The target checkpoint: a user's local folder (never rebuilt) or the embedded default. A dry run plans
+    without the checkpoint when target.info gives its facts; a real run needs it."""
     path = config["target"]["path"]
     if path is None:
         return EMBEDDED_TARGET
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise WorkflowError(
+        message = (
             f"config key target.path: {path!r} is not a checkpoint folder (no config.json there); "
             "point it at a local Hugging Face checkpoint or set it to null for the embedded default"
         )
+        if not config["target"]["info"]:
+            raise WorkflowError(message + " (a dry run without the checkpoint needs target.info)")
+
+        # Whether this is a dry run is known only once the DAG is built, so the check waits for that.
+        def checkpoint(wildcards):
+            if workflow.dryrun:
+                return []
+            raise WorkflowError(message)
+
+        return checkpoint
     return ancient(path)
+
+
+def check_config_against_target():
+    """Config that cannot fit the target (layer ids beyond its depth, a draft vocabulary larger than its own) fails
+    here, before any job, whenever the target's config.json is already there (jobs check again: eaglepipe.preflight)."""
+    path = config["target"]["path"] or EMBEDDED_TARGET
+    if not config["preflight"]["enabled"] or not os.path.isfile(os.path.join(path, "config.json")):
+        return
+    import eaglepipe.preflight  # here: it imports torch, which runs without a target need not wait for
+    import eaglepipe.target
+
+    try:
+        eaglepipe.preflight.check_config(config, eaglepipe.target.read_info(path))
+    except (ValueError, eaglepipe.preflight.PreflightError) as err:
+        raise WorkflowError(f"{err}\n(target {path})") from None
+
+
+check_config_against_target()
+
+def chat_template_file():
+    """The override chat template as an input (a changed file re-runs prompts and traces), checked at parse time."""
+    path = config["target"]["chat_template"]
+    if path is None:
+        return []
+    try:
+        eaglepipe.reasoning.read_template(path)
+    except ValueError as err:
+        raise WorkflowError(str(err)) from None
+    return path
+
+
+def prompt_sources():
+    """Prompt files; a dry run plans without the ones not present here (the plan then counts prompts.max_prompts),
+    a real run stops on a missing one."""
+    sources = config["prompts"]["sources"]
+
+    def present(wildcards):
+        missing = [s for s in sources if not os.path.isfile(s)]
+        if missing and not workflow.dryrun:
+            raise WorkflowError(f"config key prompts.sources: {missing[0]!r} does not exist; fix the path or remove it")
+        return [s for s in sources if s not in missing]
+
+    return present
+
+
+try:
+    eaglepipe.reasoning.apply_system_policy([], config["prompts"]["system_policy"], config["prompts"]["system_prompt"])
+    PLAN = eaglepipe.estimate.plan(config)
+    eaglepipe.target.resolve_layer_ids(
+        config["hidden_states"]["aux_layer_ids"],
+        eaglepipe.target.TargetInfo(PLAN["target"]["num_layers"], 0, 0, 0, {}),
+    )
+except ValueError as err:
+    raise WorkflowError(str(err)) from None
+if workflow.is_main_process:
+    print(eaglepipe.estimate.format_plan(PLAN), file=sys.stderr)
 
 
 def shards(pattern, splits=SPLITS):

@@ -9,6 +9,9 @@ rule hidden_states:
     params:
         engine=config["engine"],
         hidden_states=config["hidden_states"],
+        # Completed chunks for resume after a crash: not an output, so Snakemake keeps it when the job fails.
+        progress="results/.progress/hidden_states/{split}/shard-{i}",
+        stage=shards("results/hidden_states/{split}/shard-{i}.safetensors"),
     threads: config["engine"]["threads"]
     resources:
         gpu=config["engine"]["gpus"],

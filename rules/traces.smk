@@ -4,11 +4,17 @@ rule traces:
     input:
         prompts="results/prompts/{split}.parquet",
         target=target_dir(),
+        chat_template=chat_template_file(),
     output:
         "results/traces/{split}/shard-{i}.parquet",
     params:
         engine=config["engine"],
         generation=config["generation"],
+        # Completed chunks for resume after a crash: not an output, so Snakemake keeps it when the job fails.
+        progress="results/.progress/traces/{split}/shard-{i}",
+        stage=shards("results/traces/{split}/shard-{i}.parquet"),
+        chat_template=config["target"]["chat_template"],
+        reasoning=config["target"]["reasoning"],
     threads: config["engine"]["threads"]
     resources:
         gpu=config["engine"]["gpus"],

@@ -24,4 +24,5 @@ if __name__ == "__main__":
         traces=list(snakemake.input.traces),
         diagnose=b["diagnose"],
         diagnose_prompts=b["diagnose_prompts"],
+        chat_template=snakemake.params.chat_template,
     )

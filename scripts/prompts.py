@@ -11,5 +11,7 @@ prompts.run(
     too_long=p["too_long"],
     target_dir=snakemake.input.target,
     system_prompt=p["system_prompt"],
+    system_policy=p["system_policy"],
+    chat_template=snakemake.params.chat_template,
     template_kwargs=snakemake.params.template_kwargs,
 )

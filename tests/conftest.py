@@ -87,3 +87,40 @@ def planned_rules(workdir: Path, config: dict) -> set[str]:
         if len(parts) == 2 and parts[1].isdigit() and parts[0] not in ("job", "total"):
             rules.add(parts[0])
     return rules
+
+
+@pytest.fixture(scope="session")
+def small_vocab_target(tmp_path_factory, smollm2):
+    """A tiny Llama whose vocabulary (30000) is smaller than its tokenizer's: prompts with higher ids are rejected."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("targets") / "small-vocab"
+    config = LlamaConfig(vocab_size=30000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=1, num_key_value_heads=1, head_dim=64, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(smollm2 / name, out / name)
+    return out
+
+
+def generate_mixed(tmp_path: Path, target: Path, *, max_error_share: float, chunk_size: int, max_new_tokens: int):
+    """traces.run on five prompts of which the small-vocabulary target rejects three (q2, q3, q4): their highest
+    token ids exceed 30000, those of q0 and q1 (26843, 9690) do not. Returns the output path."""
+    import json
+
+    from eaglepipe import traces
+    from eaglepipe.formats import PROMPT_SCHEMA, write_table
+
+    contents = ["Hi", "What is two plus two?", "Say yes.", "Explain photosynthesis", "Zyxwvut quasar"]
+    rows = [{"id": f"q{i}", "source": "t", "messages": json.dumps([{"role": "system", "content": "Be brief."},
+                                                                   {"role": "user", "content": c}])}
+            for i, c in enumerate(contents)]
+    write_table(tmp_path / "prompts.parquet", rows, PROMPT_SCHEMA)
+    out = tmp_path / "traces/shard-0.parquet"
+    traces.run(tmp_path / "prompts.parquet", out, target_dir=target, split="train", shard=0, num_shards=1,
+               engine={"name": "transformers"}, sampling={"max_new_tokens": max_new_tokens}, template_kwargs={},
+               chunk_size=chunk_size, max_error_share=max_error_share, progress_dir=tmp_path / "progress")
+    return out

@@ -48,3 +48,11 @@ def test_template_variants_differ_from_the_served_rendering(smollm2):
     assert variants["without add_generation_prompt"][0] == served[0][:len(variants["without add_generation_prompt"][0])]
     traced = [served[0][:-1]]
     assert template_variants(tokenizer, conversations, {}, traced=traced)["prompt ids the traces used"] == traced
+
+
+def test_an_override_template_is_tried_against_the_targets_own(smollm2):
+    override = load_tokenizer(smollm2, "{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    conversations = [[{"role": "user", "content": "Name a prime number."}]]
+    variants = template_variants(override, conversations, {}, traced=None, target_tokenizer=load_tokenizer(smollm2))
+    assert variants["the target's own chat template"] == [render_chat(load_tokenizer(smollm2), conversations[0])]
+    assert "the target's own chat template" not in template_variants(override, conversations, {}, traced=None)

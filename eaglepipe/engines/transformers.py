@@ -15,15 +15,23 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_tokenizer(target_dir):
+def load_tokenizer(target_dir, chat_template: str | None = None):
+    """The target's tokenizer; `chat_template` (a template file's text) replaces the target's own template."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(target_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
-def render_chat(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
-    """Prompt token ids: the target's chat template with the generation prompt appended."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+def render_chat(tokenizer, messages: list[dict], template_kwargs: dict | None = None,
+                generation_prompt: bool = True) -> list[int]:
+    """Token ids of the conversation in the target's chat template, by default with the generation prompt."""
+    if not tokenizer.chat_template:
+        raise ValueError(f"{tokenizer.name_or_path} has no chat template; set config key target.chat_template "
+                         "to a Jinja template file")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
                                         **(template_kwargs or {}))
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
@@ -98,7 +106,15 @@ class TransformersEngine(Engine):
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Generation]:
         results: list[Generation | None] = [None] * len(prompts)
-        for batch_no, batch in enumerate(self._batches([p for p in prompts])):
+        vocab = self.model.config.get_text_config().vocab_size
+        for i, p in enumerate(prompts):  # rejected here: the embedding lookup would fail with an unclear IndexError
+            outside = [t for t in p if not 0 <= t < vocab]
+            if outside:
+                results[i] = Generation(prompt_ids=list(p), error=f"rejected: prompt token id {outside[0]} is outside "
+                                        f"the target's vocabulary of {vocab}")
+        valid = [i for i, r in enumerate(results) if r is None]
+        for batch_no, sub in enumerate(self._batches([prompts[i] for i in valid])):
+            batch = [valid[j] for j in sub]
             try:
                 outs = self._generate_batch([prompts[i] for i in batch], sampling, seed=sampling.seed + batch_no)
             except (RuntimeError, ValueError) as err:  # one bad item must not sink its batch: retry one by one

@@ -1,0 +1,130 @@
+"""What a configuration will cost before it runs: prompts, tokens, hidden-state bytes, GPU jobs.
+
+`plan(config)` takes a validated config (defaults filled); the workflow prints it on dry runs, and schedulers can
+call it. Tokens come from results/traces/stats.json when generation has run, otherwise they are an upper bound:
+prompts x min(max_prompt_tokens + max_new_tokens, hidden_states.max_length).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from .target import TargetInfo, read_info
+
+# SmolLM2-135M, the embedded default, before the target rule has fetched it.
+EMBEDDED_INFO = {"num_layers": 30, "hidden_size": 576, "vocab_size": 49152}
+BYTES_PER_VALUE = 2  # hidden states are stored in bf16
+
+
+def target_facts(config: dict, embedded_dir="resources/targets/smollm2-135m") -> dict:
+    """Depth, hidden size and vocab of the target: from its config.json when present, else from target.info (or
+    the embedded default's known figures). A checkpoint that disagrees with target.info is an error."""
+    path = config["target"]["path"] or embedded_dir
+    given = config["target"].get("info") or (EMBEDDED_INFO if config["target"]["path"] is None else None)
+    if Path(path, "config.json").is_file():
+        info = read_info(path)
+        real = {"num_layers": info.num_layers, "hidden_size": info.hidden_size, "vocab_size": info.vocab_size}
+        wrong = {k: (v, real[k]) for k, v in (config["target"].get("info") or {}).items() if real[k] != v}
+        if wrong:
+            raise ValueError(f"config key target.info disagrees with {path}/config.json: " + ", ".join(
+                f"{k} is {v} in config but {r} in the checkpoint" for k, (v, r) in wrong.items()))
+        return real
+    if given is None:
+        raise ValueError(f"config key target.path: {path!r} is not a checkpoint folder (no config.json there); "
+                         "point it at a local Hugging Face checkpoint, set it to null for the embedded default, or "
+                         "give target.info (num_layers, hidden_size, vocab_size) to plan without it")
+    return dict(given)
+
+
+def count_prompts(config: dict) -> int | None:
+    """Prompt records in the sources (capped by prompts.max_prompts); None when a source is absent and no cap."""
+    from .prompts import default_source
+
+    p = config["prompts"]
+    total = 0
+    for source in p["sources"] or [default_source()]:
+        path = Path(source)
+        if not path.is_file():
+            return p["max_prompts"]
+        if path.suffix == ".parquet":
+            total += pq.ParquetFile(path).metadata.num_rows
+        else:
+            with open(path, encoding="utf-8") as f:
+                total += sum(1 for line in f if line.strip())
+    return min(total, p["max_prompts"]) if p["max_prompts"] else total
+
+
+def gpu_rules(config: dict) -> list[dict]:
+    """Rules that claim GPUs: jobs per run and GPUs per job (resources gpu=N)."""
+    jobs = 2 * config["generation"]["num_shards"]  # train and eval splits
+    rows = [("traces", jobs, config["engine"]["gpus"]), ("hidden_states", jobs, config["engine"]["gpus"]),
+            ("train", 1, config["train"]["gpus"]), ("bench", 1, config["engine"]["gpus"])]
+    return [{"rule": r, "jobs": n, "gpus_per_job": g} for r, n, g in rows if g > 0]
+
+
+def plan(config: dict, stats_path="results/traces/stats.json") -> dict:
+    facts = target_facts(config)
+    layers = config["hidden_states"]["aux_layer_ids"] or TargetInfo(facts["num_layers"], facts["hidden_size"],
+                                                                     facts["vocab_size"], 0, {}).default_layer_ids()
+    prompts = count_prompts(config)
+    if Path(stats_path).is_file():
+        stats = json.loads(Path(stats_path).read_text())
+        tokens = sum(s["prompt_tokens"] + s["output_tokens"] for s in stats.values())
+        source = str(stats_path)
+    else:
+        per = min(config["prompts"]["max_prompt_tokens"] + config["generation"]["max_new_tokens"],
+                  config["hidden_states"]["max_length"])
+        tokens = None if prompts is None else prompts * per
+        source = f"upper bound: prompts x {per} tokens"
+    per_token = (len(layers) + 1) * facts["hidden_size"] * BYTES_PER_VALUE  # aux layers + final state
+    return {
+        "target": {**facts, "aux_layer_ids": layers}, "prompts": prompts, "tokens": tokens, "tokens_from": source,
+        "hidden_state_bytes_per_token": per_token,
+        "hidden_state_bytes": None if tokens is None else tokens * per_token, "gpu_rules": gpu_rules(config),
+    }
+
+
+def format_plan(p: dict) -> str:
+    def size(n):
+        return "unknown" if n is None else f"{n / 1e9:,.1f} GB ({n:,} bytes)"
+
+    t = p["target"]
+    lines = [
+        f"plan: target {t['num_layers']} layers, hidden {t['hidden_size']}, vocab {t['vocab_size']}, "
+        f"aux layer ids {t['aux_layer_ids']}",
+        f"plan: prompts {p['prompts'] if p['prompts'] is not None else 'unknown'}; tokens "
+        f"{'unknown' if p['tokens'] is None else format(p['tokens'], ',')} ({p['tokens_from']})",
+        f"plan: hidden states {p['hidden_state_bytes_per_token']:,} bytes per token "
+        f"({len(t['aux_layer_ids'])} aux + final) x {t['hidden_size']} x {BYTES_PER_VALUE}: "
+        f"{size(p['hidden_state_bytes'])}",
+    ]
+    gpus = ", ".join(f"{g['rule']} ({g['jobs']} jobs x gpu={g['gpus_per_job']})" for g in p["gpu_rules"])
+    lines.append(f"plan: GPU rules: {gpus or 'none (CPU run)'}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    """python -m eaglepipe.estimate --configfile A.yaml [B.yaml ...]: the plan, layered over config/config.yaml."""
+    import argparse
+
+    import yaml
+
+    from .config import SCHEMA, validate
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--configfile", nargs="+", default=[])
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = parser.parse_args(argv)
+    config: dict = {}
+    for path in [SCHEMA.parent / "config.yaml", *args.configfile]:
+        for key, value in (yaml.safe_load(Path(path).read_text()) or {}).items():
+            config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
+    p = plan(validate(config))
+    print(json.dumps(p, indent=2) if args.json else format_plan(p))
+
+
+if __name__ == "__main__":
+    main()
