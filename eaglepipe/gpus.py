@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,9 @@ def visible_gpus() -> int:
     return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
 
 
-def claim(count: int, lock_dir=".snakemake/eaglepipe-gpu-locks") -> list[int]:
-    """Lock `count` free GPU slots for this process and make them its CUDA_VISIBLE_DEVICES; returns their ids."""
+def claim(count: int, lock_dir=".snakemake/eaglepipe-gpu-locks", wait_s: float = 1.0) -> list[int]:
+    """Lock `count` free GPU slots for this process (waiting until they are free) and make them its
+    CUDA_VISIBLE_DEVICES; returns their ids."""
     if count <= 0:
         return []
     if "SLURM_JOB_ID" in os.environ:
@@ -46,21 +48,36 @@ def claim(count: int, lock_dir=".snakemake/eaglepipe-gpu-locks") -> list[int]:
         raise RuntimeError(f"this job declares gpu={count} but the machine has {total} GPUs; lower engine.gpus / "
                            "train.gpus or run on a machine with more GPUs")
     Path(lock_dir).mkdir(parents=True, exist_ok=True)
-    mine = []
+    waited = 0.0
+    while (mine := _try_lock(count, total, Path(lock_dir))) is None:
+        # All or nothing, then wait: holding part of a claim while waiting could deadlock two multi-GPU jobs. Busy
+        # slots mean more GPU jobs run than the machine has GPUs (the profile's gpu cap is above the node's count)
+        # or a process outside the workflow holds them; either way the job waits rather than fail or share a GPU.
+        if waited % 300 == 0:
+            log.warning("waiting for %d free GPU(s) of %d (locks in %s): set `resources: gpu=%d` in the profile to "
+                        "match this machine", count, total, lock_dir, total)
+        time.sleep(wait_s)
+        waited += wait_s
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, mine))
+    log.info("claimed GPUs %s", os.environ["CUDA_VISIBLE_DEVICES"])
+    return mine
+
+
+def _try_lock(count: int, total: int, lock_dir: Path) -> list[int] | None:
+    """Lock `count` free slots, or none at all."""
+    fds, mine = [], []
     for gpu in range(total):
-        fd = os.open(Path(lock_dir) / f"gpu-{gpu}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+        fd = os.open(lock_dir / f"gpu-{gpu}.lock", os.O_CREAT | os.O_RDWR, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             continue
-        _held.append(fd)
+        fds.append(fd)
         mine.append(gpu)
         if len(mine) == count:
-            break
-    if len(mine) < count:
-        raise RuntimeError(f"only {len(mine)} of {count} GPUs free: another process outside this workflow's "
-                           f"resource accounting holds them (locks in {lock_dir})")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, mine))
-    log.info("claimed GPUs %s", os.environ["CUDA_VISIBLE_DEVICES"])
-    return mine
+            _held.extend(fds)
+            return mine
+    for fd in fds:
+        os.close(fd)
+    return None
