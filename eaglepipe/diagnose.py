@@ -84,7 +84,7 @@ def layer_shifts(open_engine, settings, draft_dir: Path, *, k: int, prompts: lis
     try:
         for shift in (-1, 1):
             path, shifted = shifted_draft(draft_dir, folder, shift)
-            if min(shifted) < 1 or max(shifted) >= num_layers:
+            if min(shifted) < 0 or max(shifted) >= num_layers:
                 log.info("diagnosis: layer ids %s fall outside the target's %d layers; not served", shifted, num_layers)
                 continue
             with open_engine(replace(settings, draft=str(path), num_speculative_tokens=k)) as eng:

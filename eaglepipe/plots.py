@@ -71,7 +71,7 @@ def acceptance(acceptance_path, served_path, output_path) -> None:
     ax.plot(positions, acc["per_position"], marker="o", color="black", label="offline (eval split)")
     for k, r in served["k"].items():
         ax.plot(range(1, len(r["per_position"]) + 1), r["per_position"], marker="s", linestyle="--",
-                label=f"served, k={k}: tau {r['served_tau']:.2f} (offline {r['offline_tau']:.2f})")
+                label=f"served, k={k}: tau {r['served_tau']:.2f} (offline {_fmt(r['offline_tau'])})")
     ax.set(xlabel="draft position", ylabel="share of drafts accepted up to here", ylim=(0, 1.05),
            title="Acceptance per draft position, offline vs served")
     ax.set_xticks(list(positions))
@@ -124,3 +124,8 @@ def run(*, coverage_path, train_log, acceptance_path, served_path, outputs: dict
     acceptance(acceptance_path, served_path, outputs["acceptance"])
     speedup(served_path, outputs["speedup"])
     speedup_table(served_path, outputs["speedup_table"])
+
+
+def _fmt(tau) -> str:
+    """Offline tau exists only for k up to evaluate.max_k."""
+    return "-" if tau is None else f"{tau:.2f}"

@@ -248,10 +248,13 @@ def load_progress(folder: Path, key: str, model, opt) -> dict | None:
     path = folder / "checkpoint.pt"
     if not path.is_file():
         return None
-    unit = torch.load(path, weights_only=True)
+    try:
+        unit = torch.load(path, weights_only=True)
+    except FileNotFoundError:  # another rank discarded a stale checkpoint meanwhile
+        return None
     if unit["fingerprint"] != key:
         log.info("discarding %s: it was made with other inputs or settings", path)
-        path.unlink()
+        path.unlink(missing_ok=True)  # every rank may get here
         return None
     model.load_state_dict(unit["model"])
     opt.load_state_dict(unit["optimizer"])

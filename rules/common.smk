@@ -92,15 +92,16 @@ def prompt_sources():
 
 try:
     eaglepipe.reasoning.apply_system_policy([], config["prompts"]["system_policy"], config["prompts"]["system_prompt"])
-    PLAN = eaglepipe.estimate.plan(config)
+    TARGET_FACTS = eaglepipe.estimate.target_facts(config)
     eaglepipe.target.resolve_layer_ids(
         config["hidden_states"]["aux_layer_ids"],
-        eaglepipe.target.TargetInfo(PLAN["target"]["num_layers"], 0, 0, 0, {}),
+        eaglepipe.target.TargetInfo(TARGET_FACTS["num_layers"], 0, 0, 0, {}),
     )
+    # The plan reads every prompt source: once, in the main process, not again in every job's own parse.
+    if workflow.is_main_process:
+        print(eaglepipe.estimate.format_plan(eaglepipe.estimate.plan(config)), file=sys.stderr)
 except ValueError as err:
     raise WorkflowError(str(err)) from None
-if workflow.is_main_process:
-    print(eaglepipe.estimate.format_plan(PLAN), file=sys.stderr)
 
 
 def shards(pattern, splits=SPLITS):
