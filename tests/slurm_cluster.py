@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -104,7 +105,7 @@ JobCompType=jobcomp/filetxt
 JobCompLoc={folder}/jobcomp.txt
 MinJobAge=300
 DefMemPerCPU=1000
-# Two GPUs that are not GPUs (gres.conf names two character devices), so GPU requests are scheduled for real., so GPU jobs' requests are scheduled for real.
+# Two GPUs that are not GPUs (gres.conf names two character devices), so GPU requests are scheduled for real.
 GresTypes=gpu
 {node.split(" UpTime")[0]} Gres=gpu:{GPUS} State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
@@ -140,3 +141,51 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 proc.wait()
         conf.unlink(missing_ok=True)
         (conf.parent / "gres.conf").unlink(missing_ok=True)
+
+
+JOBCOMP = re.compile(r"JobId=(?P<id>\d+) .*?Name=(?P<name>\S+) .*?JobState=(?P<state>\w+) .*?StartTime=(?P<start>\S+) "
+                     r"EndTime=(?P<end>\S+) NodeList=(?P<node>\S+) .*?Tres=(?P<tres>\S+) .*? ExitCode=(?P<exit>\S+)")
+
+
+def job_records(folder: Path) -> list[dict]:
+    """The controller's completion records (jobcomp/filetxt), one dict per finished job."""
+    path = folder / "jobcomp.txt"
+    text = path.read_text() if path.exists() else ""
+    return [m.groupdict() for m in JOBCOMP.finditer(text)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command against a fresh test cluster, then print the job records; for runs too long for CI, e.g.
+    the embedded default workflow through the SLURM profile:
+
+        sudo .venv/bin/python tests/slurm_cluster.py --folder /tmp/cluster -- \\
+            .venv/bin/snakemake --workflow-profile profiles/slurm --slurm-status-command squeue --slurm-no-account
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__.split(";")[0])
+    parser.add_argument("--folder", type=Path, required=True, help="the cluster's state, logs and job records")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the command to run after --")
+    if (why := missing()) is not None:
+        parser.error(why)
+    start = time.monotonic()
+    with cluster(args.folder) as env:
+        code = subprocess.run(command, env=env).returncode
+        elapsed = time.monotonic() - start
+        shown = subprocess.run(["scontrol", "show", "job", "-o"], env=env, capture_output=True, text=True).stdout
+    (args.folder / "scontrol-jobs.txt").write_text(shown)
+    records = job_records(args.folder)
+    print(f"\ncommand exited {code} after {elapsed:.0f} s; {len(records)} SLURM job records "
+          f"({args.folder}/jobcomp.txt, scontrol view in {args.folder}/scontrol-jobs.txt):")
+    for r in records:
+        print(f"  job {r['id']:>4} {r['name']:<40} {r['state']:<10} exit {r['exit']:<5} {r['start']} -> {r['end']} "
+              f"{r['tres']}")
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
