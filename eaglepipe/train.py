@@ -164,8 +164,9 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
     if resumed:
         step, seen, records, acc_sum = resumed["step"], resumed["seen"], resumed["records"], resumed["acc_sum"]
         log.info("resuming from the checkpoint at step %d of %d in %s", step, total, progress_dir)
-    log.info("training: %d epochs, %d steps, %d unroll steps, draft vocab %d, %d process(es), rank %d",
-             settings["epochs"], total, steps, config.draft_vocab_size, world, rank)
+    where = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
+    log.info("training: %d epochs, %d steps, %d unroll steps, draft vocab %d, %d process(es), rank %d on %s",
+             settings["epochs"], total, steps, config.draft_vocab_size, world, rank, where)
 
     objective = Objective(model)
     if world > 1:

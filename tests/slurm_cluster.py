@@ -18,7 +18,9 @@ from pathlib import Path
 
 SYSTEM_CONF = Path("/etc/slurm/slurm.conf")
 MARK = "# eaglepipe test cluster: written and removed by tests/slurm_cluster.py\n"
-DEVICES = ["/dev/null", "/dev/zero"]  # character devices that stand in for GPUs
+# Character devices that stand in for GPUs; on a GPU machine EAGLEPIPE_TEST_GPU_DEVICES=/dev/nvidia0,... makes them
+# real, and SLURM then hands each GPU job its CUDA_VISIBLE_DEVICES.
+DEVICES = os.environ.get("EAGLEPIPE_TEST_GPU_DEVICES", "/dev/null,/dev/zero").split(",")
 GPUS = len(DEVICES)
 BINARIES = ["munged", "mungekey", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scontrol"]
 
@@ -30,7 +32,7 @@ def missing() -> str | None:
         return f"SLURM/munge binaries absent ({', '.join(absent)}); setup.sh installs slurm-wlm and munge as root"
     if os.geteuid() != 0:
         return "the test cluster's slurmd and munged need root"
-    for path in (SYSTEM_CONF, SYSTEM_CONF.with_name("gres.conf")):
+    for path in (SYSTEM_CONF, SYSTEM_CONF.with_name("gres.conf"), SYSTEM_CONF.with_name("cgroup.conf")):
         if path.exists() and not path.read_text().startswith(MARK):
             return f"{path} belongs to a real SLURM installation; the test cluster does not replace it"
     return None
@@ -105,13 +107,22 @@ JobCompType=jobcomp/filetxt
 JobCompLoc={folder}/jobcomp.txt
 MinJobAge=300
 DefMemPerCPU=1000
-# Two GPUs that are not GPUs (gres.conf names two character devices), so GPU requests are scheduled for real.
+# GPUs from gres.conf (stand-ins unless EAGLEPIPE_TEST_GPU_DEVICES names real ones): GPU requests are scheduled for real.
 GresTypes=gpu
 {node.split(" UpTime")[0]} Gres=gpu:{GPUS} State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """)
     devices = "".join(f"NodeName={host} Name=gpu File={dev}\n" for dev in DEVICES)
     (conf.parent / "gres.conf").write_text(MARK + "AutoDetect=off\n" + devices)
+    if Path("/sys/fs/cgroup/cgroup.controllers").exists():
+        # A unified cgroup v2 host without systemd's D-Bus (a container or VM): slurmd creates its scope itself.
+        # Without systemd nothing made system.slice or delegated controllers to it: do both, best effort.
+        (conf.parent / "cgroup.conf").write_text(MARK + "CgroupPlugin=cgroup/v2\nIgnoreSystemd=yes\n")
+        root = Path("/sys/fs/cgroup")
+        (root / "system.slice").mkdir(exist_ok=True)
+        for controller in ("cpuset", "cpu", "memory"):
+            with contextlib.suppress(OSError):
+                (root / "cgroup.subtree_control").write_text(f"+{controller}")
     env = {**os.environ, "SLURM_CONF": str(conf)}
     procs = []
     try:
@@ -141,6 +152,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 proc.wait()
         conf.unlink(missing_ok=True)
         (conf.parent / "gres.conf").unlink(missing_ok=True)
+        (conf.parent / "cgroup.conf").unlink(missing_ok=True)
 
 
 JOBCOMP = re.compile(r"JobId=(?P<id>\d+) .*?Name=(?P<name>\S+) .*?JobState=(?P<state>\w+) .*?StartTime=(?P<start>\S+) "
