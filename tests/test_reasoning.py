@@ -148,7 +148,8 @@ def test_loss_mask_is_exactly_the_generated_positions(rows, target, tokenizer, t
     assert meta["layer_ids"] == [2, 4, 5]  # (2, N//2, N-3) of the 8-layer target
     # `last`: the vocab counts are those of the output tokens, as before loss spans were counted.
     outputs = torch.tensor([t for r in rows if not r["error"] for t in r["output_ids"]])
-    assert torch.equal(vocab.count_tokens([str(trace)], len(tokenizer)), torch.bincount(outputs, minlength=len(tokenizer)))
+    size = len(tokenizer)
+    assert torch.equal(vocab.count_tokens([str(trace)], size), torch.bincount(outputs, minlength=size))
 
 
 def trained_tokens(rows, size):
