@@ -5,7 +5,8 @@ per-position acceptance (accepted at position i / drafts) and output tokens/s wi
 and at the configured batch; the speedup is their ratio. Offline tau at the same k (from the evaluate stage) sits
 beside the served figure, with `agrees` telling whether served is within the configured tolerance of offline.
 When served falls short beyond the tolerance, `diagnosis` holds served tau of the draft with its layer ids shifted and
-the prompts rendered in template variants (diagnose.py), and `cause` names the fault the best variant undoes.
+the prompts rendered in template variants (diagnose.py), and `cause` names the fault the best variant undoes;
+`skipped` says, one line each, which variants were not tried and why (traces' prompt ids under multi_turn `all`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def timed_generate(eng, prompts, sampling, batch: int) -> tuple[float, int]:
 def run(prompts_path, draft_dir, acceptance_path, output_path, *, target_dir, engine: dict, ks: list[int],
         batch_size: int, batch1_prompts: int, max_prompts: int, max_new_tokens: int, tolerance: float,
         template_kwargs: dict | None = None, traces: list | None = None, diagnose: bool = True,
-        diagnose_prompts: int = 4, chat_template: str | None = None) -> None:
+        diagnose_prompts: int = 4, chat_template: str | None = None, multi_turn: str = "last") -> None:
     template_kwargs = template_kwargs or {}
     # The traces' override template (target.chat_template), when set, is the one served with.
     tokenizer = load_tokenizer(target_dir, read_template(chat_template) if chat_template else None)
@@ -53,6 +54,7 @@ def run(prompts_path, draft_dir, acceptance_path, output_path, *, target_dir, en
                "diagnosis": None}
     diag_prompts = prompts[:diagnose_prompts]
     traced = _traced_prompt_ids(traces or [], [r["id"] for r in rows[:diagnose_prompts]])
+    skipped = [f"{name}: {why}" for name, why in diagnose_mod.skipped_variants(multi_turn).items()]
 
     def measure(settings, shortfall_check=None):
         with open_engine(target_dir, settings) as eng:
@@ -81,8 +83,10 @@ def run(prompts_path, draft_dir, acceptance_path, output_path, *, target_dir, en
             measured = [{"variant": "as served", "kind": "none", "layer_ids": ids, "served_tau": as_served,
                          "drafts": n, "std_error": se}]
             own = load_tokenizer(target_dir) if chat_template else None
+            for line in skipped:
+                log.info("diagnosis k=%d: %s", k, line)
             for name, variant in diagnose_mod.template_variants(tokenizer, conversations[:diagnose_prompts],
-                                                                template_kwargs, traced, own).items():
+                                                                template_kwargs, traced, own, multi_turn).items():
                 vtau, vn, vse = diagnose_mod.served_tau(eng, variant, sampling)
                 log.info("diagnosis k=%d: prompts rendered as '%s' -> served tau %.3f (%d drafts)", k, name, vtau, vn)
                 measured.append({"variant": name, "kind": "template", "served_tau": vtau, "drafts": vn,
@@ -118,7 +122,7 @@ def run(prompts_path, draft_dir, acceptance_path, output_path, *, target_dir, en
                                 "max_position_embeddings of the draft config, or serve more prompts")
             log.warning("diagnosis k=%d: %s", k, finding)
             results["diagnosis"] = {"k": k, "prompts": len(diag_prompts), "variants": measured, "cause": cause,
-                                    "finding": finding}
+                                    "finding": finding, "skipped": skipped}
     write_json(output_path, results)
 
 

@@ -41,16 +41,30 @@ def std_error(accepted_per_pos: list[int], drafts: int) -> float:
     return max(second - mean * mean, 0.0) ** 0.5 / drafts ** 0.5
 
 
+TRACED = "prompt ids the traces used"
+
+
+def skipped_variants(multi_turn: str) -> dict[str, str]:
+    """Template variants not comparable with what is served under this generation.multi_turn, each with why."""
+    if multi_turn == "all":
+        # The stored prompt ids hold the target's regenerated earlier turns, the served prompts the given ones: they
+        # differ whatever the template, so serving them would blame the template wrongly.
+        return {TRACED: "not tried: generation.multi_turn is 'all', so the traces' prompt ids hold regenerated "
+                        "earlier turns, not the conversation served"}
+    return {}
+
+
 def template_variants(tokenizer, conversations: list[list[dict]], template_kwargs: dict,
-                      traced: list[list[int]] | None, target_tokenizer=None) -> dict[str, list[list[int]]]:
-    """Prompt ids per rendering that differs from the served one: traces' own ids, the target's own template (when
-    an override template is served), system prompt, generation prompt, template kwargs."""
+                      traced: list[list[int]] | None, target_tokenizer=None,
+                      multi_turn: str = "last") -> dict[str, list[list[int]]]:
+    """Prompt ids per rendering that differs from the served one: traces' own ids (not under multi_turn `all`), the
+    target's own template (when an override template is served), system prompt, generation prompt, template kwargs."""
     def render(tok, messages, kwargs, generation_prompt=True):
         return render_chat(tok, messages, kwargs, generation_prompt=generation_prompt)
 
     served = [render(tokenizer, m, template_kwargs) for m in conversations]
     variants = {
-        "prompt ids the traces used": traced,
+        TRACED: traced,
         "the target's own chat template": None if target_tokenizer is None else
         [render(target_tokenizer, m, template_kwargs) for m in conversations],
         "without add_generation_prompt": [render(tokenizer, m, template_kwargs, False) for m in conversations],
@@ -61,7 +75,8 @@ def template_variants(tokenizer, conversations: list[list[dict]], template_kwarg
                                  for m in conversations],
         "without template kwargs": [render(tokenizer, m, {}) for m in conversations] if template_kwargs else None,
     }
-    return {name: ids for name, ids in variants.items() if ids is not None and ids != served}
+    skipped = skipped_variants(multi_turn)
+    return {name: ids for name, ids in variants.items() if ids is not None and ids != served and name not in skipped}
 
 
 def shifted_draft(draft_dir: Path, folder: Path, shift: int) -> tuple[Path, list[int]]:

@@ -66,4 +66,5 @@ def served_section(bench: dict) -> list[str]:
                   "| variant | served tau |", "|---|---|"]
         lines += [f"| {v['variant']}" + (f" {v['layer_ids']}" if v["kind"] != "template" else "") +
                   f" | {v['served_tau']:.3f} |" for v in diagnosis["variants"]]
+        lines += [f"\nVariant {line}." for line in diagnosis.get("skipped", [])]
     return lines

@@ -3,7 +3,8 @@
 vocab_map.safetensors:
     d2t        int64 [draft_vocab_size]  offsets: target_id = i + d2t[i] for draft token i (the serving convention)
     t2d        bool  [target_vocab]      True where the target token is in the draft vocabulary
-    token_freq int64 [target_vocab]      occurrences of each token among generated (loss-masked) train tokens
+    token_freq int64 [target_vocab]      occurrences of each token among the train rows' loss-span tokens (every
+                                         generated turn in multi_turn `all`); coverage.json is over the same tokens
 """
 
 from __future__ import annotations
@@ -18,13 +19,31 @@ from .formats import TRACE_SCHEMA, atomic_path, read_table, write_json
 log = logging.getLogger(__name__)
 
 
+def loss_tokens(row: dict) -> list[int]:
+    """The tokens of a trace row the draft is trained to predict: its stream inside the loss spans (in multi_turn
+    `all`, earlier regenerated turns as well as the last; in `last`, exactly output_ids)."""
+    stream = list(row["prompt_ids"]) + list(row["output_ids"])
+    spans = row["loss_spans"]
+    if spans is None or len(spans) % 2 or any(not 0 <= a <= b <= len(stream) for a, b in zip(spans[::2], spans[1::2])):
+        raise ValueError(f"row {row['id']}: loss_spans {spans} are not [start, end) pairs within its "
+                         f"{len(stream)}-token stream; rerun the traces")
+    return [t for a, b in zip(spans[::2], spans[1::2]) for t in stream[a:b]]
+
+
 def count_tokens(trace_paths: list[str], vocab_size: int) -> torch.Tensor:
+    """Occurrences of each token among the loss-span tokens of the usable rows (the rows hidden_states keeps)."""
     freq = torch.zeros(vocab_size, dtype=torch.int64)
     for path in trace_paths:
         for row in read_table(path, TRACE_SCHEMA):
-            if row["error"] or not row["output_ids"]:
+            if row["error"] or not row["output_ids"]:  # hidden_states drops these rows: nothing of them is learned
                 continue
-            ids = torch.tensor(row["output_ids"], dtype=torch.int64)
+            try:
+                tokens = loss_tokens(row)
+            except ValueError as err:
+                raise ValueError(f"{path}: {err}") from None
+            if not tokens:
+                continue
+            ids = torch.tensor(tokens, dtype=torch.int64)
             if int(ids.max()) >= vocab_size:
                 raise ValueError(f"{path}: row {row['id']} has token id {int(ids.max())} >= target vocab "
                                  f"{vocab_size}; traces and target do not match, rerun the traces")

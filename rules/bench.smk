@@ -15,6 +15,7 @@ rule bench:
         engine=config["engine"],
         template_kwargs=config["generation"]["template_kwargs"],
         chat_template=config["target"]["chat_template"],
+        multi_turn=config["generation"]["multi_turn"],
     threads: config["train"]["threads"]
     resources:
         gpu=config["engine"]["gpus"],

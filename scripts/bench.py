@@ -25,4 +25,5 @@ if __name__ == "__main__":
         diagnose=b["diagnose"],
         diagnose_prompts=b["diagnose_prompts"],
         chat_template=snakemake.params.chat_template,
+        multi_turn=snakemake.params.multi_turn,
     )

@@ -142,7 +142,8 @@ def test_config_that_does_not_fit_the_target(tiny_target, override, message):
 
 def trace_row(i, output_ids, error=""):
     return {"id": f"p{i}", "split": "train", "messages": "[]", "prompt_ids": [1, 2], "output_ids": output_ids,
-            "text": "", "finish_reason": "stop", "prompt_tokens": 2, "output_tokens": len(output_ids), "error": error}
+            "text": "", "loss_spans": [2, 2 + len(output_ids)], "finish_reason": "stop", "prompt_tokens": 2,
+            "output_tokens": len(output_ids), "error": error}
 
 
 def test_trace_shard_missing_columns(tmp_path):

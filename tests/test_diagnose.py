@@ -56,3 +56,27 @@ def test_an_override_template_is_tried_against_the_targets_own(smollm2):
     variants = template_variants(override, conversations, {}, traced=None, target_tokenizer=load_tokenizer(smollm2))
     assert variants["the target's own chat template"] == [render_chat(load_tokenizer(smollm2), conversations[0])]
     assert "the target's own chat template" not in template_variants(override, conversations, {}, traced=None)
+
+
+def test_multi_turn_all_skips_the_traces_prompt_ids_and_keeps_every_other_variant(smollm2):
+    from eaglepipe.diagnose import skipped_variants
+    from eaglepipe.report import served_section
+
+    tokenizer = load_tokenizer(smollm2)
+    given = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello, how can I help?"},
+             {"role": "user", "content": "Name a colour."}]
+    # What multi_turn `all` stores: the same conversation with the target's own earlier answer in place of the given.
+    regenerated = [given[0], {"role": "assistant", "content": "Hi there."}, given[2]]
+    traced = [render_chat(tokenizer, regenerated)]
+    last = template_variants(tokenizer, [given], {}, traced=traced)
+    assert last["prompt ids the traces used"] == traced  # `last`: stored ids differ from served, so they are tried
+    every = template_variants(tokenizer, [given], {}, traced=traced, multi_turn="all")
+    assert "prompt ids the traces used" not in every
+    assert every == {name: ids for name, ids in last.items() if name != "prompt ids the traces used"}
+    assert {"empty system prompt", "without add_generation_prompt"} <= set(every)
+    assert skipped_variants("last") == {}
+    (line,) = [f"{name}: {why}" for name, why in skipped_variants("all").items()]
+    assert line.startswith("prompt ids the traces used: not tried: generation.multi_turn is 'all'")
+    bench = {"batch_size": 2, "prompts": 1, "max_new_tokens": 8, "baseline_tok_s": {"batch_1": 1.0, "batch_2": 1.0},
+             "k": {}, "diagnosis": {"k": 2, "prompts": 1, "finding": "none", "variants": [], "skipped": [line]}}
+    assert f"Variant {line}." in "\n".join(served_section(bench))

@@ -4,8 +4,9 @@ import json
 import random
 
 import pytest
+import torch
 
-from eaglepipe import hidden_states, reasoning, traces
+from eaglepipe import hidden_states, reasoning, traces, vocab
 from eaglepipe.engines.transformers import load_tokenizer, render_chat
 from eaglepipe.formats import PROMPT_SCHEMA, TRACE_SCHEMA, read_hidden_shard, read_table, write_table
 from tiny_targets import WORDS, thinking_target
@@ -130,7 +131,7 @@ def test_split_reads_markers_from_prompt_or_output(tokenizer):
     assert reasoning.split(tokenizer, markers, ids("<think> </think>"), ids("yes <|im_end|>")).status == "absent"
 
 
-def test_loss_mask_is_exactly_the_generated_positions(rows, target, tmp_path):
+def test_loss_mask_is_exactly_the_generated_positions(rows, target, tokenizer, tmp_path):
     trace = tmp_path / "t.parquet"
     write_table(trace, rows, TRACE_SCHEMA)
     shard = tmp_path / "h.safetensors"
@@ -145,6 +146,17 @@ def test_loss_mask_is_exactly_the_generated_positions(rows, target, tmp_path):
         assert tokens == row["prompt_ids"] + row["output_ids"]
         assert mask == [0] * len(row["prompt_ids"]) + [1] * len(row["output_ids"])
     assert meta["layer_ids"] == [2, 4, 5]  # (2, N//2, N-3) of the 8-layer target
+    # `last`: the vocab counts are those of the output tokens, as before loss spans were counted.
+    outputs = torch.tensor([t for r in rows if not r["error"] for t in r["output_ids"]])
+    size = len(tokenizer)
+    assert torch.equal(vocab.count_tokens([str(trace)], size), torch.bincount(outputs, minlength=size))
+
+
+def trained_tokens(rows, size):
+    """Counts of the tokens the draft learns: under the hidden-state loss mask (no truncation)."""
+    _, seqs, masks = hidden_states.sequences_of(rows, 10 ** 9)
+    learned = [t for seq, mask in zip(seqs, masks) for t, m in zip(seq, mask) if m]
+    return torch.bincount(torch.tensor(learned), minlength=size)
 
 
 def test_multi_turn_all_regenerates_each_turn_on_the_regenerated_history(target, tokenizer, tmp_path):
@@ -168,6 +180,11 @@ def test_multi_turn_all_regenerates_each_turn_on_the_regenerated_history(target,
     assert masked_earlier, "no earlier turn was masked: the multi-turn mask was not exercised"
     assert reasoning.stats(rows)["earlier_turns_masked"] == masked_earlier
     assert all(len(r["loss_spans"]) == 2 for r in last_rows.values())  # `last`: only the final turn is learned
+    # The draft vocabulary is counted over the same tokens the draft learns: earlier regenerated turns included.
+    size = len(tokenizer)
+    freq = vocab.count_tokens([str(tmp_path / "traces-all.parquet")], size)
+    assert torch.equal(freq, trained_tokens(rows, size))
+    assert int(freq.sum()) > sum(len(r["output_ids"]) for r in rows if not r["error"])
 
 
 def test_system_policy():
