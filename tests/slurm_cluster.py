@@ -35,6 +35,10 @@ def missing() -> str | None:
     for path in (SYSTEM_CONF, SYSTEM_CONF.with_name("gres.conf"), SYSTEM_CONF.with_name("cgroup.conf")):
         if path.exists() and not path.read_text().startswith(MARK):
             return f"{path} belongs to a real SLURM installation; the test cluster does not replace it"
+    if SYSTEM_CONF.exists() and (pid := re.search(r"^SlurmctldPidFile=(\S+)", SYSTEM_CONF.read_text(), re.M)):
+        with contextlib.suppress(OSError, ValueError):
+            if Path("/proc", Path(pid[1]).read_text().strip()).exists():
+                return f"another test cluster is running ({SYSTEM_CONF}, controller pid file {pid[1]})"
     return None
 
 

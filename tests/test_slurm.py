@@ -37,12 +37,10 @@ def test_workflow_runs_to_completion_through_slurm_jobs(tmp_path, tiny_target):
         elapsed = time.monotonic() - start
         # Finished jobs stay in the controller for MinJobAge (300 s): their resources as SLURM allocated them.
         shown = subprocess.run(["scontrol", "show", "job", "-o"], env=env, capture_output=True, text=True).stdout
-        jobcomp = (tmp_path / "cluster/jobcomp.txt").read_text() if (tmp_path / "cluster/jobcomp.txt").exists() else ""
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-6000:]
     submitted = dict(re.findall(r"Job \d+ has been submitted with SLURM jobid (\d+) \(log: \S*/rule_(\w+)/", out))
-    records = {m[0]: m for m in re.findall(r"JobId=(\d+) .*?JobState=(\w+) .*?StartTime=(\S+) EndTime=(\S+) "
-                                           r"NodeList=(\S+) .*?Tres=(\S+) .*? ExitCode=(\S+)", jobcomp)}
+    records = {r["id"]: r for r in slurm_cluster.job_records(tmp_path / "cluster")}
     print(f"\nSLURM run: {len(submitted)} sbatch jobs in {elapsed:.0f} s; job records (jobcomp/filetxt):")
     for job, rule in sorted(submitted.items(), key=lambda kv: int(kv[0])):
         print(f"  job {job} rule {rule}: {records.get(job)}")
@@ -51,7 +49,7 @@ def test_workflow_runs_to_completion_through_slurm_jobs(tmp_path, tiny_target):
             "evaluate"} <= rules, rules
     for job in submitted:  # every job the executor submitted ran on the cluster and ended well
         assert job in records, f"SLURM job {job} has no record in the controller's completion file"
-        assert records[job][1] == "COMPLETED" and records[job][-1] == "0:0", records[job]
+        assert records[job]["state"] == "COMPLETED" and records[job]["exit"] == "0:0", records[job]
     train_job = next(job for job, rule in submitted.items() if rule == "train")
     train_shown = next(line for line in shown.splitlines() if line.startswith(f"JobId={train_job} "))
     print("  train job as scontrol shows it:", " ".join(re.findall(r"(?:NumTasks|TresPerJob|AllocTRES)=\S+", train_shown)))
