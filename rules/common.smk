@@ -97,8 +97,9 @@ try:
         config["hidden_states"]["aux_layer_ids"],
         eaglepipe.target.TargetInfo(TARGET_FACTS["num_layers"], 0, 0, 0, {}),
     )
-    # The plan reads every prompt source: once, in the main process, not again in every job's own parse.
-    if workflow.is_main_process:
+    # The plan reads every prompt source: once, in the main process, not again in every job's own parse;
+    # `snakemake --quiet` leaves it out.
+    if workflow.is_main_process and not getattr(workflow.output_settings, "quiet", None):
         print(eaglepipe.estimate.format_plan(eaglepipe.estimate.plan(config)), file=sys.stderr)
 except ValueError as err:
     raise WorkflowError(str(err)) from None
