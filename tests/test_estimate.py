@@ -43,6 +43,9 @@ def test_production_config_dry_runs_without_checkpoint_and_prints_the_plan(tmp_p
     assert f"({total:,} bytes)" in out
     assert f"traces ({shards} jobs x gpu=8), hidden_states ({shards} jobs x gpu=8)" in out
     assert not (tmp_path / "results").exists()
+    quiet = snakemake(tmp_path, KIMI, "-n", "--quiet")
+    assert "plan:" not in quiet.stdout + quiet.stderr  # --quiet leaves the plan out
+
 
 
 def test_real_run_without_checkpoint_fails_clearly(tmp_path):
