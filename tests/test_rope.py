@@ -144,3 +144,54 @@ def test_unsupported_rope_fails_naming_the_type_and_keys(scaling, words):
               "vocab_size": 64, "rope_theta": 10000.0, "rope_scaling": scaling}
     with pytest.raises(NotImplementedError, match=words):
         DraftConfig.from_target(target, draft_vocab_size=32, aux_layer_ids=[1, 2, 3])
+
+
+@pytest.fixture(scope="module")
+def yarn_run(smollm2, tmp_path_factory):
+    """The workflow up to evaluation and export for a Kimi-style target: the tiny DeepSeek-V3 with Kimi-K2's yarn
+    rope keys in the published form."""
+    import tiny_targets
+    from conftest import snakemake, tiny_config
+
+    root = tmp_path_factory.mktemp("yarn")
+    target = tiny_targets.kimi_rope(root / "kimi-rope", smollm2)
+    snakemake(root / "run", tiny_config(target, generation={"max_new_tokens": 8, "num_shards": 1, "chunk_size": 8},
+                                        prompts={"max_prompts": 12}),
+              "results/eval/acceptance.json", "results/export/checks.json")
+    return root / "run"
+
+
+def test_yarn_target_trains_evaluates_and_exports(yarn_run):
+    """Trained, evaluated, exported with the target's rope keys verbatim, and loaded back with the same rope."""
+    import tiny_targets
+    from eaglepipe.draft import load_checkpoint
+    from eaglepipe.rope import build
+
+    acceptance = json.loads((yarn_run / "results/eval/acceptance.json").read_text())
+    assert acceptance["positions"] > 0 and set(acceptance["tau"]) == {"1", "2", "3"}
+    checks = json.loads((yarn_run / "results/export/checks.json").read_text())
+    assert checks["vllm"]["problems"] == [] and checks["sglang"]["problems"] == []
+    for folder in ("results/draft", "results/export/sglang"):
+        config = json.loads((yarn_run / folder / "config.json").read_text())
+        assert config["rope_scaling"] == tiny_targets.KIMI_ROPE["rope_scaling"] and config["rope_theta"] == 50000.0
+    loaded = load_checkpoint(yarn_run / "results/draft").midlayer.self_attn.rope
+    expected = build(tiny_targets.KIMI_ROPE, loaded.inv_freq.numel() * 2)
+    assert torch.equal(loaded.inv_freq, expected.inv_freq) and loaded.magnitude == expected.magnitude == 1.0
+    plain = build({"rope_theta": 50000.0}, loaded.inv_freq.numel() * 2)
+    assert not torch.allclose(loaded.inv_freq, plain.inv_freq)  # the draft ropes with yarn, not plain rope
+
+
+@pytest.mark.vllm
+def test_vllm_ropes_the_exported_yarn_draft_as_it_was_trained(yarn_run):
+    """The workflow's own export, loaded by vLLM's config loader, gives vLLM the rope the trained draft applies."""
+    from eaglepipe.draft import load_checkpoint
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    vllm = vllm_rope(yarn_run / "results/draft")
+    trained = load_checkpoint(yarn_run / "results/draft").midlayer.self_attn.rope
+    q, k = qk(2)
+    with set_current_vllm_config(VllmConfig()):
+        vq, vk = vllm(POSITIONS, q.clone(), k.clone())
+    oq, ok = ours(trained, q, k)
+    torch.testing.assert_close(oq, vq, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ok, vk, rtol=1e-5, atol=1e-5)
