@@ -11,8 +11,9 @@ keys (both 1.0); without those keys they scale by get_mscale(factor) = 1 + 0.1 l
 Older engines disagree: vLLM before the mscale keys were honoured in its yarn (it used get_mscale(factor) * attn_factor)
 and SGLang releases before the same fix serve Kimi's keys at 1.347, so a draft trained here would see differently scaled
 attention logits there. Current SGLang honours mscale/mscale_all_dim when both are present (not None; vLLM and
-transformers need both non-zero), ignores attention_factor and multiplies by attn_factor, which vLLM ignores: keys on
-which the engines disagree (attn_factor, extrapolation_factor) are refused below rather than guessed.
+transformers need both non-zero, which differs only when one of them is 0). Keys SGLang applies but vLLM ignores
+(attn_factor, extrapolation_factor) are refused below rather than guessed; attention_factor, which vLLM and
+transformers apply and SGLang ignores, is followed as vLLM does (no published target of ours sets it).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The draft's rope equals, numerically, the rope vLLM (and transformers) build from the draft's exported config.json."""
+"""The draft ropes exactly as vLLM (and transformers) do for the draft's exported config.json."""
 
 import json
 import math
@@ -6,8 +6,11 @@ import math
 import pytest
 import torch
 
-from eaglepipe.draft import DraftConfig, Eagle3Draft, save_checkpoint
-from eaglepipe.rope import Rope, get_mscale
+import tiny_targets
+from conftest import snakemake, tiny_config
+from eaglepipe import export
+from eaglepipe.draft import DraftConfig, Eagle3Draft, load_checkpoint, save_checkpoint
+from eaglepipe.rope import Rope, build, get_mscale
 
 HEADS, KV_HEADS, HEAD_DIM = 2, 1, 64
 # The targets' rope keys as their published config.json files write them.
@@ -150,9 +153,6 @@ def test_unsupported_rope_fails_naming_the_type_and_keys(scaling, words):
 def yarn_run(smollm2, tmp_path_factory):
     """The workflow up to evaluation and export for a Kimi-style target: the tiny DeepSeek-V3 with Kimi-K2's yarn
     rope keys in the published form."""
-    import tiny_targets
-    from conftest import snakemake, tiny_config
-
     root = tmp_path_factory.mktemp("yarn")
     target = tiny_targets.kimi_rope(root / "kimi-rope", smollm2)
     snakemake(root / "run", tiny_config(target, generation={"max_new_tokens": 8, "num_shards": 1, "chunk_size": 8},
@@ -163,10 +163,6 @@ def yarn_run(smollm2, tmp_path_factory):
 
 def test_yarn_target_trains_evaluates_and_exports(yarn_run):
     """Trained, evaluated, exported with the target's rope keys verbatim, and loaded back with the same rope."""
-    import tiny_targets
-    from eaglepipe.draft import load_checkpoint
-    from eaglepipe.rope import build
-
     acceptance = json.loads((yarn_run / "results/eval/acceptance.json").read_text())
     assert acceptance["positions"] > 0 and set(acceptance["tau"]) == {"1", "2", "3"}
     checks = json.loads((yarn_run / "results/export/checks.json").read_text())
@@ -184,7 +180,6 @@ def test_yarn_target_trains_evaluates_and_exports(yarn_run):
 @pytest.mark.vllm
 def test_vllm_ropes_the_exported_yarn_draft_as_it_was_trained(yarn_run):
     """The workflow's own export, loaded by vLLM's config loader, gives vLLM the rope the trained draft applies."""
-    from eaglepipe.draft import load_checkpoint
     from vllm.config import VllmConfig, set_current_vllm_config
 
     vllm = vllm_rope(yarn_run / "results/draft")
@@ -195,3 +190,21 @@ def test_vllm_ropes_the_exported_yarn_draft_as_it_was_trained(yarn_run):
     oq, ok = ours(trained, q, k)
     torch.testing.assert_close(oq, vq, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ok, vk, rtol=1e-5, atol=1e-5)
+
+
+def test_export_check_catches_a_draft_config_without_the_mscale_keys(tmp_path):
+    """Dropping mscale/mscale_all_dim from the exported config would make vLLM serve at 1 + 0.1 ln 32: caught."""
+    rope, folder = exported(tmp_path / "draft", CASES["kimi-k2"])
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"num_hidden_layers": 8, "hidden_size": 128, "vocab_size": 64,
+                                                    **CASES["kimi-k2"]}))
+
+    def check():
+        return export.check(folder, "vllm", layer_ids=[1, 2, 3], target_dir=target, serving_context=4096)
+
+    assert check() == []
+    config = json.loads((folder / "config.json").read_text())
+    del config["rope_scaling"]["mscale"], config["rope_scaling"]["mscale_all_dim"]
+    (folder / "config.json").write_text(json.dumps(config))
+    assert len(check()) == 1 and "rope settings" in check()[0] and "mscale" in check()[0]
