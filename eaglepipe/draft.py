@@ -47,21 +47,24 @@ class DraftConfig:
     @property
     def rope_settings(self) -> dict:
         """The keys the rope is built from: the target's, or plain rope at rope_theta for a config without them."""
-        return self.target_rope or {"rope_theta": self.rope_theta}
+        return {"max_position_embeddings": self.max_position_embeddings,
+                **(self.target_rope or {"rope_theta": self.rope_theta})}
 
     @classmethod
     def from_target(cls, target: dict, *, draft_vocab_size: int, aux_layer_ids: list[int]) -> "DraftConfig":
         rope = {k: target[k] for k in ROPE_KEYS if k in target}
         heads = target["num_attention_heads"]
         head_dim = target.get("head_dim") or target["hidden_size"] // heads
-        build_rope(rope, head_dim)  # fails here, naming the rope type, when the trainer cannot rope like the engines
+        positions = target.get("max_position_embeddings", 4096)
+        # Fails here, naming the rope type, when the trainer cannot rope like the engines.
+        build_rope({**rope, "max_position_embeddings": positions}, head_dim)
         return cls(
             hidden_size=target["hidden_size"], intermediate_size=target["intermediate_size"],
             num_attention_heads=heads, num_key_value_heads=target.get("num_key_value_heads", heads),
             head_dim=head_dim,
             vocab_size=target["vocab_size"], draft_vocab_size=draft_vocab_size,
             target_hidden_size=target["hidden_size"],
-            max_position_embeddings=target.get("max_position_embeddings", 4096),
+            max_position_embeddings=positions,
             rms_norm_eps=target.get("rms_norm_eps", 1e-6), aux_layer_ids=list(aux_layer_ids),
             rope_theta=rope_parameters(rope)["rope_theta"], target_rope=rope,
         )

@@ -23,7 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-KEYS = ("rope_theta", "rope_scaling", "rope_parameters")  # config.json keys that hold rope settings
+# config.json keys that hold rope settings (Phi-3 style configs keep original_max_position_embeddings at the top)
+KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "original_max_position_embeddings")
+REQUIRED = {"linear": {"factor"}, "yarn": {"factor", "original_max_position_embeddings"},
+            "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}}
 SUPPORTED = {
     "default": set(),
     "linear": {"factor"},
@@ -41,6 +44,13 @@ def parameters(config: dict) -> dict:
     params["rope_theta"] = float(params["rope_theta"])
     legacy = params.pop("type", None)
     params.setdefault("rope_type", legacy or "default")
+    if params["rope_type"] in ("llama3", "yarn"):
+        # As transformers' standardisation (which vLLM's config loader runs) fills it: the top-level key first, else
+        # the rope's own, else max_position_embeddings.
+        original = config.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+        original = original or config.get("max_position_embeddings")
+        if original is not None:
+            params["original_max_position_embeddings"] = original
     return params
 
 
@@ -86,6 +96,10 @@ def build(config: dict, head_dim: int) -> Rope:
         raise NotImplementedError(f"rope type {kind!r} with keys {sorted(unknown) or ['partial_rotary_factor']} "
                                   f"(rope settings {p}): the draft trainer does not model them, and serving engines "
                                   "differ on some; add them to eaglepipe/rope.py with a test against vLLM's get_rope")
+    missing = REQUIRED.get(kind, set()) - set(p)
+    if missing:
+        raise ValueError(f"rope settings {p}: rope type {kind!r} needs {sorted(missing)}; fix the target's "
+                         "config.json (rope_scaling or rope_parameters)")
     theta = p["rope_theta"]
     # Plain rope: inv_freq_i = 1 / theta^(2i/d), i = 0 .. d/2-1.
     denominators = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)

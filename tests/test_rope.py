@@ -39,6 +39,13 @@ CASES = {
     "llama3": {"rope_theta": 500000.0, "max_position_embeddings": 131072, "rope_scaling": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192}},
+    # No original_max_position_embeddings: filled from max_position_embeddings, as transformers' loader does.
+    "yarn-no-original": {"rope_theta": 10000.0, "max_position_embeddings": 8192, "rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0}},
+    # Phi-3 style: original_max_position_embeddings at the top level wins over max_position_embeddings.
+    "yarn-top-level-original": {"rope_theta": 10000.0, "max_position_embeddings": 32768,
+                                "original_max_position_embeddings": 4096, "rope_scaling": {
+                                    "rope_type": "yarn", "factor": 8.0}},
     "linear": {"rope_theta": 10000.0, "max_position_embeddings": 8192,
                "rope_scaling": {"rope_type": "linear", "factor": 3.0}},
 }
@@ -141,11 +148,13 @@ def test_kimi_yarn_keeps_unit_magnitude_and_stretches_only_slow_pairs(tmp_path):
     ({"rope_type": "dynamic", "factor": 2.0}, "rope type 'dynamic'"),
     ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}, "rope type 'longrope'"),
     ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "attn_factor": 0.5}, "attn_factor"),
+    ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}, "needs "
+     r"\['high_freq_factor', 'low_freq_factor'\]"),
 ])
 def test_unsupported_rope_fails_naming_the_type_and_keys(scaling, words):
     target = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2, "head_dim": 64,
               "vocab_size": 64, "rope_theta": 10000.0, "rope_scaling": scaling}
-    with pytest.raises(NotImplementedError, match=words):
+    with pytest.raises((NotImplementedError, ValueError), match=words):
         DraftConfig.from_target(target, draft_vocab_size=32, aux_layer_ids=[1, 2, 3])
 
 
