@@ -21,6 +21,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .formats import atomic_path
+from .rope import KEYS as ROPE_KEYS
+from .rope import build as build_rope
+from .rope import parameters as rope_parameters
 
 
 @dataclass
@@ -37,26 +40,33 @@ class DraftConfig:
     rms_norm_eps: float
     aux_layer_ids: list[int]
     rope_theta: float = 10000.0
-    # The target's own rope keys, copied verbatim into config.json so the engine ropes like the target.
+    # The target's own rope keys, copied verbatim into config.json so the engine ropes like the target; the trainer
+    # ropes from the same keys (eaglepipe/rope.py), so training and serving agree.
     target_rope: dict = field(default_factory=dict)
+
+    @property
+    def rope_settings(self) -> dict:
+        """The keys the rope is built from: the target's, or plain rope at rope_theta for a config without them."""
+        return {"max_position_embeddings": self.max_position_embeddings,
+                **(self.target_rope or {"rope_theta": self.rope_theta})}
 
     @classmethod
     def from_target(cls, target: dict, *, draft_vocab_size: int, aux_layer_ids: list[int]) -> "DraftConfig":
-        rope = {k: target[k] for k in ("rope_theta", "rope_scaling", "rope_parameters") if k in target}
-        params = target.get("rope_parameters") or target.get("rope_scaling") or {}
-        if params.get("rope_type", params.get("type", "default")) not in ("default", None):
-            raise NotImplementedError(f"target rope type {params.get('rope_type')!r}: only plain rope is supported "
-                                      "by the draft trainer so far")
+        rope = {k: target[k] for k in ROPE_KEYS if k in target}
         heads = target["num_attention_heads"]
+        head_dim = target.get("head_dim") or target["hidden_size"] // heads
+        positions = target.get("max_position_embeddings", 4096)
+        # Fails here, naming the rope type, when the trainer cannot rope like the engines.
+        build_rope({**rope, "max_position_embeddings": positions}, head_dim)
         return cls(
             hidden_size=target["hidden_size"], intermediate_size=target["intermediate_size"],
             num_attention_heads=heads, num_key_value_heads=target.get("num_key_value_heads", heads),
-            head_dim=target.get("head_dim") or target["hidden_size"] // heads,
+            head_dim=head_dim,
             vocab_size=target["vocab_size"], draft_vocab_size=draft_vocab_size,
             target_hidden_size=target["hidden_size"],
-            max_position_embeddings=target.get("max_position_embeddings", 4096),
+            max_position_embeddings=positions,
             rms_norm_eps=target.get("rms_norm_eps", 1e-6), aux_layer_ids=list(aux_layer_ids),
-            rope_theta=float(params.get("rope_theta", target.get("rope_theta", 10000.0))), target_rope=rope,
+            rope_theta=rope_parameters(rope)["rope_theta"], target_rope=rope,
         )
 
     def to_hf(self) -> dict:
@@ -76,7 +86,7 @@ class DraftConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "DraftConfig":
-        rope = {k: hf[k] for k in ("rope_theta", "rope_scaling", "rope_parameters") if k in hf}
+        rope = {k: hf[k] for k in ROPE_KEYS if k in hf}
         return cls(
             hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
             num_attention_heads=hf["num_attention_heads"], num_key_value_heads=hf["num_key_value_heads"],
@@ -98,16 +108,6 @@ class RMSNorm(nn.Module):
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding of x [B, heads, T, d] at integer positions [B, T] (Llama's rotate-half layout)."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    angles = positions[:, None, :, None].float() * inv_freq  # [B, 1, T, d/2]
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return (x * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
-
-
 class Attention(nn.Module):
     def __init__(self, c: DraftConfig):
         super().__init__()
@@ -116,6 +116,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.rope = build_rope(c.rope_settings, c.head_dim)
 
     def forward(self, x, positions, mask, cache: list) -> torch.Tensor:
         """x [B, T, 2H]; mask [B, T, T] (True = may attend) for the context entries, cache[0];
@@ -125,7 +126,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        q, k = rotate(q, positions, c.rope_theta), rotate(k, positions, c.rope_theta)
+        q, k = self.rope.rotate(q, positions), self.rope.rotate(k, positions)
         groups = c.num_attention_heads // c.num_key_value_heads
         cache.append((k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)))
         scale = 1.0 / math.sqrt(c.head_dim)

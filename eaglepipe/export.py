@@ -16,6 +16,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from .formats import atomic_path, write_json
+from .rope import parameters as rope_parameters
 from .target import read_info
 
 log = logging.getLogger(__name__)
@@ -29,12 +30,10 @@ def engine_layer_ids(layer_ids: list[int], engine: str) -> list[int]:
 
 
 def rope(config: dict) -> dict:
-    """The rope settings that change positions, whichever keys (rope_theta, rope_scaling, rope_parameters) hold them."""
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
-    params["rope_theta"] = float(params["rope_theta"])
-    params.setdefault("rope_type", params.pop("type", "default"))
-    return params
+    """The rope settings that change positions, whichever keys (rope_theta, rope_scaling, rope_parameters) hold them.
+    The same normalisation the trainer ropes from (eaglepipe/rope.py), so "equal to the target's" means "trained as
+    the engine will serve it" for every rope type the trainer supports, yarn's mscale keys included."""
+    return rope_parameters(config)
 
 
 def sglang_config(config: dict) -> dict:

@@ -88,3 +88,22 @@ def thinking_target(out: Path, layers: int = 8) -> Path:
     model.to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+# moonshotai/Kimi-K2-Instruct's rope keys, as its config.json writes them (legacy rope_scaling with "type").
+KIMI_ROPE = {"rope_theta": 50000.0, "max_position_embeddings": 131072, "rope_scaling": {
+    "type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0, "beta_slow": 1.0,
+    "mscale": 1.0, "mscale_all_dim": 1.0}}
+
+
+def kimi_rope(out: Path, tokenizer_from: Path, layers: int = 8) -> Path:
+    """The tiny DeepSeek-V3 target with Kimi-K2's yarn rope keys written in the published form (transformers 5 would
+    save them as rope_parameters)."""
+    import json
+
+    deepseek_v3(out, tokenizer_from, layers)
+    config = json.loads((out / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config.update(json.loads(json.dumps(KIMI_ROPE)))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
