@@ -85,7 +85,7 @@ def targets(batch: Batch, draft_head: torch.Tensor, t2d: torch.Tensor):
     rows = valid.nonzero().squeeze(1)
     probs = torch.zeros(t, draft_head.shape[0], device=draft_head.device)  # draft_head: target head rows [Vd, H]
     if rows.numel():
-        probs[rows] = torch.softmax(batch.final[rows] @ draft_head.T, -1)
+        probs[rows] = torch.softmax((batch.final[rows] @ draft_head.T).float(), -1)  # float32 also under autocast
     return probs, valid
 
 

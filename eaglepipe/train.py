@@ -14,6 +14,7 @@ that DDP's gradient average equals the single-process gradient of the whole glob
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -179,14 +180,16 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
         if mine:
             rows, local = read_sequences(shard_paths[s], mine, max_tokens)
             batch = collate(rows, local, max_tokens, torch.float32, device)
-            probs, valid = targets(batch, draft_head, t2d)
+            with autocast(device, settings["precision"]):
+                probs, valid = targets(batch, draft_head, t2d)
             counts = torch.tensor([float(step_mask(batch, valid, j).sum()) for j in range(steps)], dtype=torch.float64)
         else:
             counts = torch.zeros(steps, dtype=torch.float64)
         counts = all_sum(counts, device)  # the global batch's positions per unroll step: each rank's denominator
         for group in opt.param_groups:
             group["lr"] = lr_at(step, total, settings["lr"], settings["warmup_steps"])
-        loss, stats = objective(batch, embed, probs, valid, counts.tolist(), decay, float(world))
+        with autocast(device, settings["precision"]):
+            loss, stats = objective(batch, embed, probs, valid, counts.tolist(), decay, float(world))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, settings["grad_clip"])
@@ -224,6 +227,13 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
             tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
         shutil.rmtree(progress_dir, ignore_errors=True)  # the outputs are complete: nothing left to resume
     return model
+
+
+def autocast(device: torch.device, precision: str):
+    """The arithmetic of a training step: float32 as written, or bfloat16 matrix products (weights stay float32)."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def all_sum(t: torch.Tensor, device) -> torch.Tensor:

@@ -96,3 +96,15 @@ def test_tau_and_per_position_from_accepted_lengths():
     result = summarise(torch.tensor([0, 1, 3, 3]), 3)
     assert result["per_position"] == [0.75, 0.5, 0.5]
     assert result["tau"]["1"] == 1.75 and result["tau"]["3"] == 1 + 7 / 4
+
+
+def test_training_speed_benchmark_runs_both_precisions_on_the_same_start():
+    """python -m eaglepipe.bench_train at a tiny shape: one line per precision from the same weights and batch, whose
+    first-step losses agree (the bf16 path computes the same objective)."""
+    from eaglepipe import bench_train
+
+    fp32, bf16 = bench_train.main(["--preset", "tiny", "--device", "cpu", "--tokens", "128", "--seq-len", "32",
+                                   "--ttt-steps", "2", "--steps", "1", "--draft-vocab", "256"])
+    assert (fp32["precision"], bf16["precision"]) == ("fp32", "bf16")
+    assert fp32["tok_s"] > 0 and bf16["tok_s"] > 0
+    assert fp32["first_loss"] > 0 and abs(bf16["first_loss"] - fp32["first_loss"]) < 1e-3 * fp32["first_loss"]

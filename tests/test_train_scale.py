@@ -64,6 +64,22 @@ def test_two_gloo_processes_agree_and_match_one_process(upstream, tiny_target, t
     assert not (two / ".progress").exists() and not (one / ".progress").exists()
 
 
+def test_bf16_autocast_trains_like_fp32(upstream, tiny_target, tmp_path):
+    """train.precision bf16 takes the same steps over the same batches with bfloat16 products: the weights differ
+    (the autocast is in effect), the losses stay close to float32's."""
+    fp32, bf16 = tmp_path / "fp32", tmp_path / "bf16"
+    train.run(**run_kwargs(upstream, tiny_target, fp32, epochs=4))
+    train.run(**run_kwargs(upstream, tiny_target, bf16, epochs=4, precision="bf16"))
+    logs = [[json.loads(line) for line in (d / "train_log.jsonl").read_text().splitlines()] for d in (fp32, bf16)]
+    assert [(r["step"], r["tokens"]) for r in logs[0]] == [(r["step"], r["tokens"]) for r in logs[1]]
+    gaps = [abs(a - b) / a for r1, r2 in zip(*logs) for a, b in zip(r1["loss"], r2["loss"])]
+    print(f"bf16 vs fp32 training loss: largest relative gap {max(gaps):.2e} over {len(gaps)} values")
+    assert max(gaps) < 0.02
+    weights = [torch.load(d / "weights" / "rank-0.pt") for d in (fp32, bf16)]
+    assert all(weights[1][k].dtype == weights[0][k].dtype for k in weights[0])  # float32 master weights in both
+    assert any(not torch.equal(weights[0][k], weights[1][k]) for k in weights[0] if weights[0][k].is_floating_point())
+
+
 def draft_processes(workdir: Path) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["cmdline"]):
