@@ -3,7 +3,7 @@
     python -m eaglepipe.bench_train --preset kimi-k2 --device cuda --tokens 4096 --ttt-steps 7
 
 A draft of the preset target's shape (or of `--target-config config.json`) takes training steps on one packed batch of
-random hidden states, through the training loop's own objective, batch layout and AdamW; embeddings and target head
+random hidden states, through the training loop's own objective, batch layout, gradient clipping and AdamW; embeddings and target head
 are random too, so no checkpoint is needed. Prints, per precision, ms per step, tokens per second and peak device
 memory, then the bf16 / fp32 speed ratio. Both start from the same weights and batch, so their first-step losses must
 agree closely; a large gap means the bf16 path computes something else.
@@ -64,7 +64,8 @@ def measure(config: DraftConfig, precision: str, device: torch.device, batch, tt
     model = init_draft(config, vocab, draft_head, seed).to(device)
     draft_head, t2d = draft_head.to(device), t2d.to(device)
     embed = (torch.randn(v, h, generator=gen) * 0.02).to(device)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
     objective = Objective(model)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -76,6 +77,7 @@ def measure(config: DraftConfig, precision: str, device: torch.device, batch, tt
             loss, _ = objective(batch, embed, probs, valid, counts, 0.8, 1.0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)  # as train.run does every step
         opt.step()
         return float(loss.detach())
 
