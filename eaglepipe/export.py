@@ -29,20 +29,13 @@ def engine_layer_ids(layer_ids: list[int], engine: str) -> list[int]:
     return [k + CONVENTIONS[engine][0] for k in layer_ids]
 
 
-def rope(config: dict) -> dict:
-    """The rope settings that change positions, whichever keys (rope_theta, rope_scaling, rope_parameters) hold them.
-    The same normalisation the trainer ropes from (eaglepipe/rope.py), so "equal to the target's" means "trained as
-    the engine will serve it" for every rope type the trainer supports, yarn's mscale keys included."""
-    return rope_parameters(config)
-
-
 def sglang_config(config: dict) -> dict:
     """The draft's config.json for SGLang: ids one lower (output of layer k), rope_theta also at the top level."""
     out = json.loads(json.dumps(config))
     out["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = engine_layer_ids(
         config["eagle_config"]["eagle_aux_hidden_state_layer_ids"], "sglang")
     out["eaglepipe"] = {**out.get("eaglepipe", {}), "layer_convention": CONVENTIONS["sglang"][1]}
-    out.setdefault("rope_theta", rope(config)["rope_theta"])
+    out.setdefault("rope_theta", rope_parameters(config)["rope_theta"])
     return out
 
 
@@ -70,8 +63,10 @@ def check(draft_dir, engine: str, *, layer_ids: list[int], target_dir, serving_c
         problems.append(f"{path}: max_position_embeddings {config.get('max_position_embeddings')} is below the serving "
                         f"context {serving_context} (export.serving_context); longer prompts would collapse acceptance: "
                         "set it to at least the serving context")
-    if rope(config) != rope(target.config):
-        problems.append(f"{path}: rope settings {rope(config)} differ from the target's {rope(target.config)}; the "
+    # Normalised as the trainer ropes (rope.py), so equal here means trained as the engine will serve it.
+    if rope_parameters(config) != rope_parameters(target.config):
+        problems.append(f"{path}: rope settings {rope_parameters(config)} differ from the target's "
+                        f"{rope_parameters(target.config)}; the "
                         "draft must rope positions like the target: copy the target's rope keys into the draft config")
     return problems
 
