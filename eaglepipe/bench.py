@@ -19,8 +19,9 @@ from functools import partial
 from pathlib import Path
 
 from . import diagnose as diagnose_mod
-from .engines.base import EngineSettings, Sampling, open_engine
-from .engines.transformers import load_tokenizer, render_chat
+from .chat import load_tokenizer, render_chat
+from .engines import open_engine
+from .engines.base import EngineSettings, Sampling
 from .formats import read_table, write_json
 from .reasoning import read_template
 from .target import read_info

@@ -13,8 +13,9 @@ import argparse
 import json
 import time
 
-from .engines.base import EngineSettings, Sampling, open_engine
-from .engines.transformers import load_tokenizer, render_chat
+from .chat import load_tokenizer, render_chat
+from .engines import open_engine
+from .engines.base import EngineSettings, Sampling
 from .prompts import default_source
 from .target import read_info
 

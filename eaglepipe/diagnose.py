@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from .engines.transformers import render_chat
+from .chat import render_chat
 
 log = logging.getLogger(__name__)
 

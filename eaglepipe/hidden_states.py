@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .engines.base import EngineSettings, open_engine
+from .engines import open_engine
+from .engines.base import EngineSettings
 from .formats import (
     LAYER_CONVENTION,
     TRACE_SCHEMA,

@@ -179,7 +179,7 @@ def check_target(target_dir) -> TargetInfo:
                                  "a causal language model known to the installed transformers; check the checkpoint "
                                  "or upgrade transformers")
     _safetensors_files(Path(target_dir))
-    from .engines.transformers import load_tokenizer
+    from .chat import load_tokenizer
 
     tokens = len(load_tokenizer(target_dir))
     if tokens > info.vocab_size:

@@ -107,7 +107,7 @@ def split_of(prompt_id: str, eval_fraction: float) -> str:
 def run(sources: list[str], outputs: dict, *, eval_fraction: float, max_prompts: int | None,
         max_prompt_tokens: int, too_long: str, target_dir, system_prompt: str | None, template_kwargs: dict,
         system_policy: str = "add", chat_template: str | None = None) -> None:
-    from .engines.transformers import load_tokenizer, render_chat
+    from .chat import load_tokenizer, render_chat
     from .reasoning import apply_system_policy, read_template
 
     tokenizer = load_tokenizer(target_dir, read_template(chat_template) if chat_template else None)

@@ -169,7 +169,7 @@ def regenerate(engine, tokenizer, records: list[dict], sampling, *, split_name: 
                markers: Markers | None, multi_turn: str) -> list[dict]:
     """Trace rows of prompt records: the target answers the last user turn (`last`), or every assistant turn in
     order, each conditioned on the regenerated history (`all`). Turns of all records run as one engine batch."""
-    from .engines.transformers import render_chat
+    from .chat import render_chat
 
     if multi_turn not in ("last", "all"):
         raise ValueError(f"config key generation.multi_turn: {multi_turn!r}; use 'last' or 'all'")

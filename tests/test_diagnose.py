@@ -3,7 +3,7 @@
 import pytest
 
 from eaglepipe.diagnose import name_cause, std_error, template_variants
-from eaglepipe.engines.transformers import load_tokenizer, render_chat
+from eaglepipe.chat import load_tokenizer, render_chat
 
 
 def test_std_error_of_accepted_length_from_per_position_counts():

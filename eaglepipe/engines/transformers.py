@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import gc
 import logging
-from pathlib import Path
 
 import torch
 
+from ..chat import load_tokenizer
+from . import fast
 from .base import Capture, Engine, EngineSettings, Generation, Sampling
 
 log = logging.getLogger(__name__)
@@ -15,72 +16,50 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_tokenizer(target_dir, chat_template: str | None = None):
-    """The target's tokenizer; `chat_template` (a template file's text) replaces the target's own template."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    return tokenizer
-
-
-def render_chat(tokenizer, messages: list[dict], template_kwargs: dict | None = None,
-                generation_prompt: bool = True) -> list[int]:
-    """Token ids of the conversation in the target's chat template, by default with the generation prompt."""
-    if not tokenizer.chat_template:
-        raise ValueError(f"{tokenizer.name_or_path} has no chat template; set config key target.chat_template "
-                         "to a Jinja template file")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
-                                        **(template_kwargs or {}))
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
-
-
-def convert_gguf(gguf_path, out_dir, *, dtype: str = "bfloat16") -> None:
-    """Dequantise a Llama GGUF into a plain safetensors checkpoint with tokenizer and chat template."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    gguf_path = Path(gguf_path)
-    src, name = str(gguf_path.parent), gguf_path.name
-    quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
-    config = AutoConfig.from_pretrained(src, gguf_file=name)
-    config.architectures = ["LlamaForCausalLM"]
-    config.dtype = dtype
-    # The GGUF loader marks the model quantized and refuses save_pretrained: move its weights to a plain model.
-    model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
-    missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
-    missing = [k for k in missing if k != "lm_head.weight" or not config.tie_word_embeddings]
-    if missing or unexpected:
-        raise RuntimeError(f"GGUF {gguf_path}: weights did not map onto {config.architectures[0]}: "
-                           f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-    model.generation_config.do_sample = False
-    model.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(out_dir)
-
-
 class TransformersEngine(Engine):
     def __init__(self, target_dir, settings: EngineSettings):
         from transformers import AutoModelForCausalLM
 
-        self.settings = settings
         if settings.threads:
             torch.set_num_threads(settings.threads)
         if settings.device.startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError("config key engine.device is 'cuda' but torch sees no CUDA device; "
                                "set engine.device: cpu or run on a GPU machine")
+        model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=DTYPES[settings.dtype])
+        self.setup(model.to(settings.device), load_tokenizer(target_dir), settings)
+
+    def setup(self, model, tokenizer, settings: EngineSettings) -> None:
+        """Take a loaded model (and its tokenizer; None for a model without one, e.g. a benchmark's random target)."""
+        self.settings = settings
         self.device = torch.device(settings.device)
-        self.tokenizer = load_tokenizer(target_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=DTYPES[settings.dtype])
-        self.model.to(self.device).eval()
+        self.tokenizer = tokenizer
+        self.model = model.eval()
         self.eos_ids = self._eos_ids()
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+        pad = tokenizer.pad_token_id if tokenizer is not None else None
+        self.pad_id = pad if pad is not None else self.eos_ids[0]
+        self.fast = self._fast_path()
+
+    def _fast_path(self):
+        """The decoder of fast.py when engine.fast_path asks for it (auto: on CUDA, for the layer layouts it knows)."""
+        choice = self.settings.fast_path
+        if choice == "off" or (choice == "auto" and self.device.type != "cuda"):
+            return None
+        if not fast.supports(self.model):
+            if choice == "on":
+                raise ValueError(f"config key engine.fast_path: 'on', but the fast path does not run model type "
+                                 f"{self.model.config.model_type!r} (it runs {sorted(fast.SUPPORTED)}); set it to "
+                                 "auto or off")
+            log.info("fast path off: model type %s is not one it runs", self.model.config.model_type)
+            return None
+        log.info("fast path on (%s, %s)", self.device, self.settings.dtype)
+        return fast.Decoder(self.model)
 
     def _eos_ids(self) -> list[int]:
         eos = self.model.generation_config.eos_token_id
-        if eos is None:
+        if eos is None and self.tokenizer is not None:
             eos = self.tokenizer.eos_token_id
+        if eos is None:
+            return [0]
         return sorted({int(e) for e in (eos if isinstance(eos, list) else [eos])})
 
     def close(self) -> None:
