@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
+from .draft import Packing
 from .formats import SHARD_KEYS
 
 
@@ -23,11 +24,30 @@ class Batch:
     final: torch.Tensor  # [T, Ht]
     positions: torch.Tensor  # [1, T] position within its own sequence
     seq_end: torch.Tensor  # [T] exclusive end index of the sequence each position belongs to
-    mask: torch.Tensor  # [1, T, T] causal within each sequence
+    doc: torch.Tensor  # [T] index of the sequence each position belongs to
+    # With collate(..., t2d=, steps=): the loss positions, computed on the host (no device sync in the loop).
+    valid: torch.Tensor | None = None  # [T] bool, see targets()
+    step_rows: torch.Tensor | None = None  # [R] int64: positions with a target at step 0, then step 1, ...
+    step_counts: list[int] | None = None  # rows per unroll step (sums to R)
+    valid_rows: torch.Tensor | None = None  # valid.nonzero()
+    step_of: torch.Tensor | None = None  # [R] the unroll step of each of step_rows
+    _packing: Packing | None = None
 
     @property
     def tokens(self) -> int:
         return self.input_ids.numel()
+
+    @property
+    def packing(self) -> Packing:
+        """The document structure every unroll step attends with (built once per batch)."""
+        if self._packing is None:
+            self._packing = Packing(self.doc)
+        return self._packing
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[1, T, T] causal within each sequence (dense; built on first use)."""
+        return self.packing.dense_mask()
 
 
 def plan(cu_seqlens: torch.Tensor, max_tokens: int, order: list[int]) -> list[list[int]]:
@@ -46,7 +66,12 @@ def plan(cu_seqlens: torch.Tensor, max_tokens: int, order: list[int]) -> list[li
     return batches
 
 
-def collate(shard: dict[str, torch.Tensor], seqs: list[int], max_tokens: int, dtype, device) -> Batch:
+def collate(shard: dict[str, torch.Tensor], seqs: list[int], max_tokens: int, dtype, device, *, t2d=None,
+            steps: int = 0) -> Batch:
+    """The packed batch of sequences `seqs` (each cut to max_tokens). With t2d (host bool [V]) and steps, the loss
+    positions of every unroll step are computed here on the host (valid, step_rows, step_counts). Host tensors go
+    to a CUDA device through pinned memory, asynchronously."""
+    device = torch.device(device)
     cu = shard["cu_seqlens"].tolist()
     spans = [(cu[i], min(cu[i + 1], cu[i] + max_tokens)) for i in seqs]
     index = torch.cat([torch.arange(a, b) for a, b in spans])
@@ -56,14 +81,24 @@ def collate(shard: dict[str, torch.Tensor], seqs: list[int], max_tokens: int, dt
     t = index.numel()
     positions = torch.arange(t) - starts[doc]
     seq_end = starts[doc + 1]
-    causal = torch.ones(t, t, dtype=torch.bool).tril()
-    mask = causal & (doc[:, None] == doc[None, :])
-    aux = shard["aux"][index].reshape(t, -1)
-    return Batch(
-        input_ids=shard["input_ids"][index].long().to(device), loss_mask=shard["loss_mask"][index].bool().to(device),
-        aux=aux.to(device, dtype)[None], final=shard["final"][index].to(device, dtype),
-        positions=positions[None].to(device), seq_end=seq_end.to(device), mask=mask[None].to(device),
-    )
+    input_ids = shard["input_ids"][index].long()
+    loss_mask = shard["loss_mask"][index].bool()
+    host = {"input_ids": input_ids, "loss_mask": loss_mask, "aux": shard["aux"][index].reshape(t, -1)[None],
+            "final": shard["final"][index], "positions": positions[None], "seq_end": seq_end, "doc": doc}
+    counts = None
+    if t2d is not None:
+        idx = torch.arange(t)
+        valid = (idx + 1 < seq_end) & shifted(loss_mask, 1, False) & t2d.cpu()[shifted(input_ids, 1)]
+        rows = [((idx + 2 + j <= seq_end) & shifted(valid, 1 + j, False)).nonzero().squeeze(1) for j in range(steps)]
+        counts = [r.numel() for r in rows]
+        host["valid"] = valid
+        host["valid_rows"] = valid.nonzero().squeeze(1)
+        host["step_rows"] = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+        host["step_of"] = torch.repeat_interleave(torch.arange(steps), torch.tensor(counts, dtype=torch.int64))
+    cuda = device.type == "cuda"
+    moved = {k: (v.pin_memory() if cuda else v).to(device, non_blocking=cuda) for k, v in host.items()}
+    moved["aux"], moved["final"] = moved["aux"].to(dtype), moved["final"].to(dtype)
+    return Batch(**moved, step_counts=counts)
 
 
 def shifted(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
@@ -79,10 +114,13 @@ def targets(batch: Batch, draft_head: torch.Tensor, t2d: torch.Tensor):
     the draft vocabulary (the draft cannot be taught a token it does not have). For greedy traces the generated token
     is the target's argmax, so this is the argmax test without computing logits over the whole target vocabulary."""
     t = batch.tokens
-    idx = torch.arange(t, device=batch.input_ids.device)
-    next_ids = shifted(batch.input_ids, 1)
-    valid = (idx + 1 < batch.seq_end) & shifted(batch.loss_mask, 1, False) & t2d[next_ids]
-    rows = valid.nonzero().squeeze(1)
+    if batch.valid is not None:  # computed by collate on the host: no device sync here
+        valid, rows = batch.valid, batch.valid_rows
+    else:
+        idx = torch.arange(t, device=batch.input_ids.device)
+        next_ids = shifted(batch.input_ids, 1)
+        valid = (idx + 1 < batch.seq_end) & shifted(batch.loss_mask, 1, False) & t2d[next_ids]
+        rows = valid.nonzero().squeeze(1)
     probs = torch.zeros(t, draft_head.shape[0], device=draft_head.device)  # draft_head: target head rows [Vd, H]
     if rows.numel():
         probs[rows] = torch.softmax((batch.final[rows] @ draft_head.T).float(), -1)  # float32 also under autocast
@@ -90,8 +128,9 @@ def targets(batch: Batch, draft_head: torch.Tensor, t2d: torch.Tensor):
 
 
 def step_inputs(batch: Batch, steps: int, embed: torch.Tensor):
-    """Embeddings fed at each unroll step: x[t+1+j] at position t."""
-    return [embed[shifted(batch.input_ids, 1 + j)][None] for j in range(steps)]
+    """Embeddings fed at each unroll step: x[t+1+j] at position t, in float32 (the table may be kept in its
+    checkpoint's bf16: the rows are then the same numbers)."""
+    return [embed[shifted(batch.input_ids, 1 + j)][None].float() for j in range(steps)]
 
 
 def step_mask(batch: Batch, valid: torch.Tensor, j: int) -> torch.Tensor:

@@ -108,6 +108,103 @@ class RMSNorm(nn.Module):
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
+# How attention is computed (the math is the same; REFERENCE section 4): "merged" attends the context keys of the
+# first unroll step with the document-causal structure (flex_attention with a block mask on CUDA, so no T x T score
+# matrix is kept; dense scores on other devices) and merges the diagonal entries of later steps through the
+# log-sum-exp of the context part; "dense" is the original formulation, one [T, T + steps] score matrix per step,
+# kept as the reference and as the naive baseline of eaglepipe.bench_train.
+ATTENTION = ("merged", "dense")
+FLEX_BLOCK = 128  # flex_attention's block size; packed rows are padded to a multiple of it (or of FLEX_BUCKET)
+FLEX_BUCKET = 1024  # longer rows are padded to a multiple of this, so few distinct shapes are compiled
+
+
+class Packing:
+    """The document structure of one packed row, shared by every unroll step and built once per batch:
+    doc [T] the index of the sequence each position belongs to. Position t attends s when doc[s] == doc[t], s <= t."""
+
+    def __init__(self, doc: torch.Tensor | None, dense: torch.Tensor | None = None):
+        self.doc = doc
+        self._dense = dense
+        self._block: dict = {}
+
+    @classmethod
+    def of(cls, mask_or_packing) -> "Packing":
+        """A Packing, or the legacy dense mask [B, T, T] (True = may attend) wrapped as one."""
+        if isinstance(mask_or_packing, Packing):
+            return mask_or_packing
+        return cls(None, dense=mask_or_packing)
+
+    def dense_mask(self) -> torch.Tensor:
+        """[1, T, T] bool: causal within each sequence."""
+        if self._dense is None:
+            idx = torch.arange(self.doc.numel(), device=self.doc.device)
+            self._dense = ((self.doc[:, None] == self.doc[None, :]) & (idx[None, :] <= idx[:, None]))[None]
+        return self._dense
+
+    def padded_length(self) -> int:
+        t = self.doc.numel()
+        step = FLEX_BUCKET if t > FLEX_BUCKET else FLEX_BLOCK
+        return -(-t // step) * step
+
+    def block_mask(self):
+        """flex_attention's BlockMask of the document-causal structure over the padded row (padding is a document of
+        its own, so no row is empty); blocks outside every document are skipped by the kernel."""
+        t_pad = self.padded_length()
+        if t_pad not in self._block:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            doc = torch.cat([self.doc, self.doc.new_full((t_pad - self.doc.numel(),), -1)])
+
+            def document_causal(b, h, q, k):
+                return (doc[q] == doc[k]) & (k <= q)
+
+            self._block[t_pad] = create_block_mask(document_causal, None, None, t_pad, t_pad, device=doc.device,
+                                                   BLOCK_SIZE=FLEX_BLOCK)
+        return self._block[t_pad]
+
+
+_compiled_flex = None
+
+
+def flex_context(q, k, v, packing: Packing, scale: float):
+    """Context attention by flex_attention: (out [B, heads, T, d], log-sum-exp of the scaled scores [B, heads, T]
+    float32). Compiled on CUDA; eager (forward only, materialising the scores) elsewhere, which is how the CPU tests
+    check its mask and its log-sum-exp against the dense path."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    fn = flex_attention
+    if q.is_cuda:
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        fn = _compiled_flex
+    t, t_pad = q.shape[2], packing.padded_length()
+    if t_pad != t:
+        q, k, v = (F.pad(x, (0, 0, 0, t_pad - t)) for x in (q, k, v))
+    out, aux = fn(q, k, v, block_mask=packing.block_mask(), scale=scale, return_aux=AuxRequest(lse=True))
+    return out[:, :, :t], aux.lse[:, :, :t].float()
+
+
+def dense_context(q, k, v, mask: torch.Tensor, scale: float):
+    """Context attention from dense scores (mask [B, T, T]): (out, log-sum-exp [B, heads, T] float32)."""
+    scores = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~mask[:, None], float("-inf")).float()
+    lse = torch.logsumexp(scores, -1)
+    return torch.exp(scores - lse[..., None]).to(q.dtype) @ v, lse
+
+
+def merge_diagonal(q, out0, lse0, later: list, scale: float) -> torch.Tensor:
+    """Softmax over [context scores, diagonal scores of later steps] from the context part's normalised output and
+    log-sum-exp: weight of the context = exp(lse0) / Z, of later step i = exp(q.k_i * scale) / Z."""
+    if not later:
+        return out0
+    diag = [(q * ki).sum(-1, keepdim=True) * scale for ki, _ in later]  # each [B, heads, T, 1], as the dense path
+    weights = torch.softmax(torch.cat([lse0[..., None]] + [d.float() for d in diag], -1), -1).to(q.dtype)
+    out = weights[..., :1] * out0
+    for i, (_, vi) in enumerate(later):
+        out = out + weights[..., 1 + i: 2 + i] * vi
+    return out
+
+
 class Attention(nn.Module):
     def __init__(self, c: DraftConfig):
         super().__init__()
@@ -117,12 +214,14 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
         self.rope = build_rope(c.rope_settings, c.head_dim)
+        self.impl = "merged"
 
-    def forward(self, x, positions, mask, cache: list) -> torch.Tensor:
-        """x [B, T, 2H]; mask [B, T, T] (True = may attend) for the context entries, cache[0];
-        entries of later unroll steps (cache[1:]) are attended only at their own position (the diagonal)."""
+    def forward(self, x, positions, packing, cache: list) -> torch.Tensor:
+        """x [B, T, 2H]; packing: a Packing (or a dense mask [B, T, T], True = may attend) for the context entries,
+        cache[0]; entries of later unroll steps (cache[1:]) are attended only at their own position (the diagonal)."""
         b, t, _ = x.shape
         c = self.c
+        packing = Packing.of(packing)
         q = self.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
@@ -131,6 +230,19 @@ class Attention(nn.Module):
         cache.append((k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)))
         scale = 1.0 / math.sqrt(c.head_dim)
         k0, v0 = cache[0]
+        if self.impl == "dense":
+            out = self._dense(q, k0, v0, packing.dense_mask(), cache, scale, t)
+        else:
+            if q.is_cuda and b == 1 and packing.doc is not None:
+                out0, lse0 = flex_context(q, k0, v0, packing, scale)
+            else:
+                out0, lse0 = dense_context(q, k0, v0, packing.dense_mask(), scale)
+            out = merge_diagonal(q, out0, lse0, cache[1:], scale)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    @staticmethod
+    def _dense(q, k0, v0, mask, cache, scale, t):
+        """The original formulation: one score matrix over the context and the diagonal entries."""
         scores = (q @ k0.transpose(-1, -2)) * scale  # [B, heads, T, T]
         scores = scores.masked_fill(~mask[:, None], float("-inf"))
         diag = [(q * ki).sum(-1, keepdim=True) * scale for ki, _ in cache[1:]]  # each [B, heads, T, 1]
@@ -138,7 +250,7 @@ class Attention(nn.Module):
         out = probs[..., :t] @ v0
         for i, (_, vi) in enumerate(cache[1:]):
             out = out + probs[..., t + i: t + i + 1] * vi
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return out
 
 
 class MLP(nn.Module):
@@ -182,13 +294,25 @@ class Eagle3Draft(nn.Module):
         prenorm = layer.mlp(layer.post_attention_layernorm(residual)) + residual
         return self.norm(prenorm), prenorm
 
-    def unroll(self, aux, embeds_per_step, positions, mask):
+    @property
+    def attention(self) -> str:
+        return self.midlayer.self_attn.impl
+
+    @attention.setter
+    def attention(self, impl: str) -> None:
+        if impl not in ATTENTION:
+            raise ValueError(f"attention {impl!r}: expected one of {', '.join(ATTENTION)}")
+        self.midlayer.self_attn.impl = impl
+
+    def unroll(self, aux, embeds_per_step, positions, packing):
         """Training-time test: yields the normed output of each step. aux [B, T, 3*Ht]; embeds_per_step[j]
-        [B, T, H] is the embedding of the token fed at step j (x_{t+1+j} at position t)."""
+        [B, T, H] is the embedding of the token fed at step j (x_{t+1+j} at position t); packing: a Packing or a
+        dense mask [B, T, T]."""
         hidden = self.fc(aux)
         cache: list = []
+        packing = Packing.of(packing)
         for j, embeds in enumerate(embeds_per_step):
-            out, hidden = self.step(embeds, hidden, positions + j, mask, cache)
+            out, hidden = self.step(embeds, hidden, positions + j, packing, cache)
             yield out
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ that DDP's gradient average equals the single-process gradient of the whole glob
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import ctypes
 import hashlib
@@ -51,22 +52,100 @@ def lr_at(step: int, total: int, lr: float, warmup: int) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-class Objective(torch.nn.Module):
-    """The weighted unroll loss of one rank's part of a global batch; a module so that DDP can wrap it."""
+# Rows of logits per chunk of the soft cross-entropy: CHUNK_ELEMENTS // draft vocabulary (256 MiB of float32 logits).
+CHUNK_ELEMENTS = 2 ** 26
+LOSSES = ("chunked", "reference")
 
-    def __init__(self, model: Eagle3Draft):
+
+class ChunkedSoftCrossEntropy(torch.autograd.Function):
+    """sum_r weight[r] * CE(probs[target_rows[r]], softmax(hidden[r] @ head^T)) with the logits of a chunk of rows
+    at a time. The loss is a scalar, so the gradients are computed in the forward pass chunk by chunk and only scaled
+    in the backward: neither the logits nor their gradients outlive a chunk. The products run in hidden's dtype
+    (the autocast dtype), logits and softmax in float32, as the reference path does. Also returns per row the
+    cross-entropy and whether the argmax agrees with the target's (not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, hidden, head, probs, target_rows, weight, chunk: int):
+        rows = hidden.shape[0]
+        dtype = hidden.dtype
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = head.to(dtype)
+            grad_h = torch.empty_like(hidden)
+            grad_w = torch.zeros(head.shape, dtype=torch.float32, device=head.device)
+            ce = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+            correct = torch.empty(rows, dtype=torch.bool, device=hidden.device)
+            for a in range(0, rows, chunk):
+                h = hidden[a:a + chunk]
+                logits = (h @ w.T).float()
+                target = probs[target_rows[a:a + chunk]].float()
+                lse = torch.logsumexp(logits, -1, keepdim=True)
+                mass = target.sum(-1, keepdim=True)
+                ce[a:a + chunk] = (target * (lse - logits)).sum(-1)
+                correct[a:a + chunk] = logits.argmax(-1) == target.argmax(-1)
+                # d CE / d logits = softmax * sum(target) - target, times each row's weight.
+                g = ((torch.exp(logits - lse) * mass - target) * weight[a:a + chunk, None]).to(dtype)
+                grad_h[a:a + chunk] = g @ w
+                grad_w += (g.T @ h).float()
+            loss = (ce * weight).sum()
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.mark_non_differentiable(ce, correct)
+        return loss, ce, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, _ce, _correct):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss, None, None, None, None
+
+
+class Objective(torch.nn.Module):
+    """The weighted unroll loss of one rank's part of a global batch; a module so that DDP can wrap it.
+    loss="chunked": logits of every unroll step's loss rows in one chunked soft cross-entropy after the unroll (needs
+    a batch collated with t2d and steps); "reference": per step full logits and log_softmax held for the backward,
+    the original path (the naive baseline of eaglepipe.bench_train)."""
+
+    def __init__(self, model: Eagle3Draft, loss: str = "chunked"):
         super().__init__()
+        if loss not in LOSSES:
+            raise ValueError(f"loss {loss!r}: expected one of {', '.join(LOSSES)}")
         self.model = model
+        self.loss = loss
 
     def forward(self, batch, embed, probs, valid, denominators: list[float], decay: float, scale: float):
-        """Returns (loss, [(loss sum, correct, count) per unroll step]); loss = scale * sum_j decay**j *
-        (loss sum_j / denominators[j]), so with scale = world size DDP's average is the global batch's loss."""
+        """Returns (loss, stats [steps, 3] float64: loss sum, correct, count per unroll step); loss = scale *
+        sum_j decay**j * (loss sum_j / denominators[j]), so with scale = world size DDP's average is the global
+        batch's loss."""
         model = self.model
+        steps = len(denominators)
         if batch is None:  # this rank has no sequence in the batch: it still joins the gradient average, with zeros
-            return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0, [(0.0, 0, 0)] * len(denominators)
+            loss = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+            return loss, torch.zeros(steps, 3, dtype=torch.float64, device=loss.device)
+        if self.loss == "reference" or batch.step_rows is None:
+            return self._reference(batch, embed, probs, valid, denominators, decay, scale)
+        device = batch.input_ids.device
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+        rows = batch.step_rows.split(batch.step_counts)
+        hidden = []
+        for j, out in enumerate(model.unroll(batch.aux, step_inputs(batch, steps, embed), batch.positions,
+                                             batch.packing)):
+            h = out[0, rows[j]]
+            hidden.append(h.to(dtype) if dtype else h)
+        coef = torch.tensor([scale * decay ** j / max(d, 1.0) for j, d in enumerate(denominators)],
+                            dtype=torch.float32).to(device, non_blocking=True)
+        chunk = max(1, CHUNK_ELEMENTS // model.config.draft_vocab_size)
+        loss, ce, correct = ChunkedSoftCrossEntropy.apply(torch.cat(hidden), model.lm_head.weight, probs,
+                                                          batch.step_rows + 1 + batch.step_of, coef[batch.step_of],
+                                                          chunk)
+        stats = torch.zeros(steps, 3, dtype=torch.float64, device=device)
+        stats[:, 0].index_add_(0, batch.step_of, ce.double())
+        stats[:, 1].index_add_(0, batch.step_of, correct.double())
+        stats[:, 2] = torch.tensor(batch.step_counts, dtype=torch.float64)
+        return loss, stats
+
+    def _reference(self, batch, embed, probs, valid, denominators, decay, scale):
+        model = self.model
         loss, stats = 0.0, []
         for j, out in enumerate(model.unroll(batch.aux, step_inputs(batch, len(denominators), embed),
-                                             batch.positions, batch.mask)):
+                                             batch.positions, batch.packing)):
             rows = step_mask(batch, valid, j).nonzero().squeeze(1)
             if rows.numel() == 0:  # keep every parameter in the graph: DDP expects a gradient for each
                 loss = loss + (out.sum() + model.lm_head.weight.sum()) * 0.0
@@ -78,7 +157,7 @@ class Objective(torch.nn.Module):
             correct = int((logp.argmax(-1) == target.argmax(-1)).sum())
             loss = loss + decay ** j * total / max(denominators[j], 1.0)
             stats.append((float(total.detach()), correct, rows.numel()))
-        return loss * scale, stats
+        return loss * scale, torch.tensor(stats, dtype=torch.float64, device=batch.input_ids.device)
 
 
 def init_draft(config: DraftConfig, vocab: dict, draft_head: torch.Tensor, seed: int) -> Eagle3Draft:
@@ -143,10 +222,12 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
     draft_head = load_lm_head(target_dir)[vocab["draft_ids"]].float()  # the target's head, draft-vocab rows
     model = init_draft(config, vocab, draft_head, settings["seed"]).to(device)
     draft_head = draft_head.to(device)
-    embed = load_embeddings(target_dir).float().to(device)
-    t2d = vocab["t2d"].to(device)
+    # Kept in the checkpoint's dtype (bf16 for real targets: half the memory); step_inputs reads rows as float32.
+    embed = load_embeddings(target_dir).to(device)
+    t2d_host = vocab["t2d"]
+    t2d = t2d_host.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=settings["lr"], weight_decay=settings["weight_decay"])
+    opt = optimizer(params, device, lr=settings["lr"], weight_decay=settings["weight_decay"])
 
     shard_paths = sorted(map(str, shard_paths))
     cus = [sequence_lengths(p) for p in shard_paths]
@@ -174,34 +255,54 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
         objective = torch.nn.parallel.DistributedDataParallel(objective, broadcast_buffers=False)
     start, first, seen_before = time.monotonic(), step, seen
     every = settings["checkpoint_every"]
-    for epoch, s, seqs in batches[step:]:
+
+    def load(index: int):
+        """Rows of this rank's sequences of global batch `index`, collated on the device (None: no sequence)."""
+        _, s, seqs = batches[index]
         mine = seqs[rank::world]
-        batch = probs = valid = None
-        if mine:
-            rows, local = read_sequences(shard_paths[s], mine, max_tokens)
-            batch = collate(rows, local, max_tokens, torch.float32, device)
+        if not mine:
+            return None
+        rows, local = read_sequences(shard_paths[s], mine, max_tokens)
+        return collate(rows, local, max_tokens, torch.float32, device, t2d=t2d_host, steps=steps)
+
+    # On CUDA the next batch is read from the memory-mapped shard and copied (pinned, asynchronously) on a thread
+    # while the device computes this one; on CPU that would only take cores from the step, so it is done in line.
+    prefetch = concurrent.futures.ThreadPoolExecutor(1) if device.type == "cuda" else None
+    pending = prefetch.submit(load, step) if prefetch and step < total else None
+    running = None  # loss sum, correct, count per unroll step since the last fold into acc_sum (on the device)
+    for epoch, s, seqs in batches[step:]:
+        if pending is not None:
+            batch = pending.result()
+            pending = prefetch.submit(load, step + 1) if step + 1 < total else None
+        else:
+            batch = load(step)
+        probs = valid = None
+        if batch is not None:
             with autocast(device, settings["precision"]):
                 probs, valid = targets(batch, draft_head, t2d)
-            counts = torch.tensor([float(step_mask(batch, valid, j).sum()) for j in range(steps)], dtype=torch.float64)
+            counts = torch.tensor(batch.step_counts, dtype=torch.float64)
         else:
             counts = torch.zeros(steps, dtype=torch.float64)
         counts = all_sum(counts, device)  # the global batch's positions per unroll step: each rank's denominator
         for group in opt.param_groups:
             group["lr"] = lr_at(step, total, settings["lr"], settings["warmup_steps"])
+        opt.zero_grad(set_to_none=True)  # before the forward pass: last step's gradients are not held beside it
         with autocast(device, settings["precision"]):
             loss, stats = objective(batch, embed, probs, valid, counts.tolist(), decay, float(world))
-        opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, settings["grad_clip"])
         opt.step()
         step += 1
         lengths = (cus[s][1:] - cus[s][:-1]).clamp(max=max_tokens)
         seen += int(lengths[seqs].sum())
-        stats = all_sum(torch.tensor(stats, dtype=torch.float64), device)
-        for j, (l, correct, count) in enumerate(stats.tolist()):
-            acc_sum[j][0] += l
-            acc_sum[j][1] += int(correct)
-            acc_sum[j][2] += int(count)
+        running = stats.detach() if running is None else running + stats.detach()
+        fold = step % settings["log_every"] == 0 or step == total or (every and step % every == 0)
+        if fold:  # the same steps on every rank (a collective); the device is synchronised only here
+            for j, (l, correct, count) in enumerate(all_sum(running, device).tolist()):
+                acc_sum[j][0] += l
+                acc_sum[j][1] += int(correct)
+                acc_sum[j][2] += int(count)
+            running = None
         if step % settings["log_every"] == 0 or step == total:
             records.append({
                 "step": step, "epoch": epoch, "lr": opt.param_groups[0]["lr"], "tokens": seen,
@@ -217,6 +318,8 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
                          elapsed / (step - first) * (total - step))
         if rank == 0 and every and step % every == 0 and step < total:
             save_progress(progress_dir, key, model, opt, step=step, seen=seen, records=records, acc_sum=acc_sum)
+    if prefetch:
+        prefetch.shutdown()
     log.info("rank %d of %d: final weights sha256 %s", rank, world, state_hash(model))
     if weights_out:
         Path(weights_out).mkdir(parents=True, exist_ok=True)
@@ -227,6 +330,11 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
             tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
         shutil.rmtree(progress_dir, ignore_errors=True)  # the outputs are complete: nothing left to resume
     return model
+
+
+def optimizer(params, device: torch.device, **kwargs) -> torch.optim.AdamW:
+    """AdamW over float32 master weights; the fused CUDA kernel on a GPU (one launch instead of one per tensor)."""
+    return torch.optim.AdamW(params, fused=device.type == "cuda", **kwargs)
 
 
 def autocast(device: torch.device, precision: str):
