@@ -42,6 +42,7 @@ class EngineSettings:
     batch_size: int = 16
     max_batch_tokens: int = 8192
     threads: int = 1
+    fast_path: str | bool = "auto"  # transformers only: engines/fast.py (auto: on CUDA, for the layouts it runs)
     # vLLM only
     tensor_parallel_size: int = 1
     max_model_len: int = 4096

@@ -42,11 +42,11 @@ class TransformersEngine(Engine):
     def _fast_path(self):
         """The decoder of fast.py when engine.fast_path asks for it (auto: on CUDA, for the layer layouts it knows)."""
         choice = self.settings.fast_path
-        if choice == "off" or (choice == "auto" and self.device.type != "cuda"):
+        if choice is False or (choice == "auto" and self.device.type != "cuda"):
             return None
         if not fast.supports(self.model):
-            if choice == "on":
-                raise ValueError(f"config key engine.fast_path: 'on', but the fast path does not run model type "
+            if choice is True:
+                raise ValueError(f"config key engine.fast_path: true, but the fast path does not run model type "
                                  f"{self.model.config.model_type!r} (it runs {sorted(fast.SUPPORTED)}); set it to "
                                  "auto or off")
             log.info("fast path off: model type %s is not one it runs", self.model.config.model_type)
@@ -68,14 +68,16 @@ class TransformersEngine(Engine):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _batches(self, sequences: list[list[int]]):
-        """Index batches by length (similar lengths pad least), bounded in sequences and tokens."""
+    def _batches(self, sequences: list[list[int]], max_rows=None, max_tokens=None):
+        """Index batches by length (similar lengths pad least), bounded in sequences and padded tokens; max_rows may be
+        a function of the batch's longest sequence (the fast path's memory bound)."""
+        max_rows = max_rows or (lambda longest: self.settings.batch_size)
+        max_tokens = max_tokens or self.settings.max_batch_tokens
         order = sorted(range(len(sequences)), key=lambda i: (len(sequences[i]), i))
         batch: list[int] = []
         for i in order:
-            longest = max([len(sequences[j]) for j in batch] + [len(sequences[i])])
-            if batch and (len(batch) == self.settings.batch_size
-                          or longest * (len(batch) + 1) > self.settings.max_batch_tokens):
+            longest = len(sequences[i])  # ascending order: the newest is the longest
+            if batch and (len(batch) >= max_rows(longest) or longest * (len(batch) + 1) > max_tokens):
                 yield batch
                 batch = []
             batch.append(i)
@@ -92,7 +94,12 @@ class TransformersEngine(Engine):
                 results[i] = Generation(prompt_ids=list(p), error=f"rejected: prompt token id {outside[0]} is outside "
                                         f"the target's vocabulary of {vocab}")
         valid = [i for i, r in enumerate(results) if r is None]
-        for batch_no, sub in enumerate(self._batches([prompts[i] for i in valid])):
+        plan = self._batches([prompts[i] for i in valid])
+        if self.fast is not None:  # prefill runs in row groups, so a batch is bounded by cache memory, not by tokens
+            fits = fast.rows_that_fit(self.fast, self.settings.batch_size)
+            plan = self._batches([prompts[i] for i in valid], max_rows=lambda n: fits(n + sampling.max_new_tokens),
+                                 max_tokens=float("inf"))
+        for batch_no, sub in enumerate(plan):
             batch = [valid[j] for j in sub]
             try:
                 outs = self._generate_batch([prompts[i] for i in batch], sampling, seed=sampling.seed + batch_no)
@@ -109,6 +116,12 @@ class TransformersEngine(Engine):
         return results
 
     def _generate_batch(self, prompts: list[list[int]], sampling: Sampling, seed: int) -> list[Generation]:
+        if self.fast is not None:
+            outs = self.fast.generate(prompts, max_new_tokens=sampling.max_new_tokens, eos_ids=self.eos_ids,
+                                      pad_id=self.pad_id, temperature=sampling.temperature, top_p=sampling.top_p,
+                                      seed=seed, prefill_tokens=self.settings.max_batch_tokens)
+            return [Generation(prompt_ids=list(p), output_ids=ids, finish_reason=finish)
+                    for p, (ids, finish) in zip(prompts, outs)]
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -136,6 +149,8 @@ class TransformersEngine(Engine):
 
     @torch.inference_mode()
     def capture(self, sequences: list[list[int]], layer_ids: list[int]) -> list[Capture]:
+        if self.fast is not None:
+            return self._capture_fast(sequences, layer_ids)
         results: list[Capture | None] = [None] * len(sequences)
         for batch in self._batches(sequences):
             width = max(len(sequences[i]) for i in batch)
@@ -153,3 +168,49 @@ class TransformersEngine(Engine):
                 n = len(sequences[i])
                 results[i] = Capture(aux=aux[row, :n].clone(), final=final[row, :n].clone())
         return results
+
+    def _capture_fast(self, sequences: list[list[int]], layer_ids: list[int]) -> list[Capture]:
+        """Right padded batches under a causal mask; each batch's real rows go to pinned host memory without blocking,
+        and are split into captures while the device runs the next batch."""
+        results: list[Capture | None] = [None] * len(sequences)
+        pending = None
+
+        def finish(batch, host_aux, host_final, done):
+            done.synchronize()
+            start = 0
+            for i in batch:
+                n = len(sequences[i])
+                results[i] = Capture(aux=host_aux[start: start + n], final=host_final[start: start + n])
+                start += n
+
+        pin = self.device.type == "cuda"
+        for batch in self._batches(sequences):
+            width = len(sequences[batch[-1]])
+            ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+            real = torch.zeros(len(batch), width, dtype=torch.bool)
+            for row, i in enumerate(batch):
+                ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
+                real[row, : len(sequences[i])] = True
+            aux, final = self.fast.hidden_states(ids.to(self.device, non_blocking=pin), layer_ids)
+            real = real.to(self.device, non_blocking=pin)
+            aux, final = aux[real].to(torch.bfloat16), final[real].to(torch.bfloat16)
+            host_aux = torch.empty(aux.shape, dtype=torch.bfloat16, pin_memory=pin)
+            host_final = torch.empty(final.shape, dtype=torch.bfloat16, pin_memory=pin)
+            host_aux.copy_(aux, non_blocking=pin)
+            host_final.copy_(final, non_blocking=pin)
+            done = torch.cuda.Event() if pin else _Done()
+            if pin:
+                done.record()
+            if pending is not None:
+                finish(*pending)
+            pending = (batch, host_aux, host_final, done)
+        if pending is not None:
+            finish(*pending)
+        return results
+
+
+class _Done:
+    """A CPU stand-in for a CUDA event: CPU work is complete when it returns."""
+
+    def synchronize(self) -> None:
+        pass

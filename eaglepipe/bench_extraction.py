@@ -1,0 +1,215 @@
+"""Hidden-state extraction written to shards: the fast path against today's naive path, with the machine's limits.
+
+    python -m eaglepipe.bench_extraction --target resources/targets/smollm2-135m --device cuda --tokens 2000000 \
+        --json docs/measured/gpu-extraction.json
+    python -m eaglepipe.bench_extraction --preset llama-8b --device cuda --tokens 400000 --json ...
+
+Sequence lengths are drawn from a trace shard (--lengths-from results/traces/train/shard-0.parquet: prompt + output
+tokens of each row) or, without one, from the embedded default's measured distribution (a fixed seeded draw), up to
+--tokens in all; token ids are random. A preset target (`llama-8b`: Llama-3.1-8B's shape) has random weights, built on
+the device from its config; --target loads a checkpoint.
+
+Both paths capture the default aux layers (2, N//2, N-3: "input of layer k") and the final normed state, and write
+shards of --shard-tokens tokens to --out (local disk): the fast path through engine.fast_path `true` and the streaming
+writer (eaglepipe/shard_writer.py, written while the next chunk runs); the naive path through `model(...,
+output_hidden_states=True)` on padded batches (`engine.fast_path: false`), then one `save_file` per shard, as the stage
+did before. Prints tokens/s of each, their ratio, and the limits measured in the same run: compute (bf16 matmul peak /
+2 x parameters per token) and disk (sequential write rate / bytes per token); the fast path's share of the lower one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .engines.base import EngineSettings
+from .formats import write_hidden_shard
+from .limits import commit, describe, disk_write_gb_s, matmul_peak_tflops, sync
+from .shard_writer import StreamingShard
+
+PRESETS = {
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+                     rms_norm_eps=1e-5, tie_word_embeddings=False),
+}
+
+
+def draw_lengths(total: int, seed: int, lengths_from=None) -> list[int]:
+    """Sequence lengths summing to about `total`: resampled from a trace shard, else a seeded lognormal (median ~170,
+    clipped to 16..2048, the embedded default's prompt + response range)."""
+    gen = torch.Generator().manual_seed(seed)
+    if lengths_from:
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(lengths_from, columns=["prompt_tokens", "output_tokens"]).to_pydict()
+        pool = torch.tensor([a + b for a, b in zip(table["prompt_tokens"], table["output_tokens"]) if b > 0])
+    else:
+        pool = torch.exp(torch.randn(4096, generator=gen) * 0.6 + 5.1).round().clamp(16, 2048).long()
+    out, n = [], 0
+    while n < total:
+        length = int(pool[torch.randint(len(pool), (1,), generator=gen)])
+        out.append(length)
+        n += length
+    return out
+
+
+def load_model(target, preset, device, dtype):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    if preset:
+        config = LlamaConfig(**PRESETS[preset])
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return model.eval()
+    return AutoModelForCausalLM.from_pretrained(str(target), dtype=dtype).to(device).eval()
+
+
+def engine_on(model, device: str, dtype: str, fast: bool, max_batch_tokens: int):
+    """A TransformersEngine around an already built model (presets have no checkpoint folder to load)."""
+    from .engines.transformers import TransformersEngine
+
+    engine = TransformersEngine.__new__(TransformersEngine)
+    engine.setup(model, None, EngineSettings(name="transformers", device=device, dtype=dtype, threads=0,
+                                             batch_size=4096, max_batch_tokens=max_batch_tokens,
+                                             fast_path=fast))
+    return engine
+
+
+def run_path(engine, seqs, layer_ids, out: Path, shard_tokens: int, chunk_tokens: int, streaming: bool) -> float:
+    """Capture every sequence and write shards; returns seconds, the last byte on disk (fsync) included."""
+    shards, current, n = [], [], 0
+    for s in seqs:
+        current.append(s)
+        n += len(s)
+        if n >= shard_tokens:
+            shards.append(current)
+            current, n = [], 0
+    if current:
+        shards.append(current)
+    hidden = engine.model.config.hidden_size
+    sync(engine.device)
+    start = time.perf_counter()
+    for number, shard in enumerate(shards):
+        path = out / f"shard-{number}.safetensors"
+        flat = torch.tensor([t for s in shard for t in s], dtype=torch.int32)
+        cu = torch.tensor([0] + [len(s) for s in shard]).cumsum(0)
+        small = dict(input_ids=flat, loss_mask=torch.ones(flat.numel(), dtype=torch.uint8), cu_seqlens=cu)
+        meta = {"ids": [str(i) for i in range(len(shard))], "layer_ids": layer_ids}
+        if streaming:
+            writer = StreamingShard(path, **small, n_aux=len(layer_ids), hidden=hidden, metadata=meta)
+            row = 0
+            chunk, size = [], 0
+            for s in shard + [None]:
+                if s is not None:
+                    chunk.append(s)
+                    size += len(s)
+                if chunk and (s is None or size >= chunk_tokens):
+                    caps = engine.capture(chunk, layer_ids)
+                    aux = torch.cat([c.aux for c in caps])
+                    final = torch.cat([c.final for c in caps])
+                    writer.write(row, aux, final)
+                    row += aux.shape[0]
+                    chunk, size = [], 0
+            writer.close()
+        else:
+            caps = engine.capture(shard, layer_ids)
+            write_hidden_shard(path, {**small, "aux": torch.cat([c.aux for c in caps]),
+                                      "final": torch.cat([c.final for c in caps])}, meta)
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    return time.perf_counter() - start
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target")
+    parser.add_argument("--preset", choices=sorted(PRESETS))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tokens", type=int, default=200_000)
+    parser.add_argument("--baseline-tokens", type=int, default=0, help="0: the same sequences as the fast path")
+    parser.add_argument("--lengths-from")
+    parser.add_argument("--shard-tokens", type=int, default=1_000_000)
+    parser.add_argument("--chunk-tokens", type=int, default=131072)
+    parser.add_argument("--max-batch-tokens", type=int, default=65536)
+    parser.add_argument("--baseline-batch-tokens", type=int, default=8192, help="padded tokens per naive batch")
+    parser.add_argument("--out", default="/tmp/eaglepipe-bench-extraction")
+    parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--json")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if bool(args.target) == bool(args.preset):
+        parser.error("give one of --target or --preset")
+    device = torch.device(args.device)
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    model = load_model(args.target, args.preset, device, dtypes[args.dtype])
+    config = model.config
+    layers = config.num_hidden_layers
+    layer_ids = [2, layers // 2, layers - 3]
+    params = sum(p.numel() for p in model.parameters()) - config.vocab_size * config.hidden_size  # no lm_head
+    lengths = draw_lengths(args.tokens, args.seed, args.lengths_from)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    seqs = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    out = Path(args.out)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    peak = matmul_peak_tflops(device)
+    disk = disk_write_gb_s(out)
+    bytes_per_token = (len(layer_ids) + 1) * config.hidden_size * 2
+    compute_limit = peak * 1e12 / (2 * params)
+    disk_limit = disk * 1e9 / bytes_per_token
+    tokens = sum(lengths)
+
+    fast = engine_on(model, args.device, args.dtype, True, args.max_batch_tokens)
+    fast.capture(seqs[:4], layer_ids)  # warm
+    fast_s = run_path(fast, seqs, layer_ids, out / "fast", args.shard_tokens, args.chunk_tokens, streaming=True)
+    shutil.rmtree(out / "fast", ignore_errors=True)
+    result = {
+        "device": describe(device), "commit": commit(),
+        "command": "python -m eaglepipe.bench_extraction " + " ".join(argv or sys.argv[1:]),
+        "target": args.preset or str(args.target), "tokens": tokens, "sequences": len(seqs), "layer_ids": layer_ids,
+        "fast_tok_s": tokens / fast_s, "matmul_peak_tflops": peak, "disk_write_gb_s": disk,
+        "bytes_per_token": bytes_per_token, "compute_limit_tok_s": compute_limit, "disk_limit_tok_s": disk_limit,
+        "limit_tok_s": min(compute_limit, disk_limit),
+    }
+    result["share_of_limit"] = result["fast_tok_s"] / result["limit_tok_s"]
+    result["achieved_tflops"] = 2 * params * result["fast_tok_s"] / 1e12
+    result["disk_gb_s_used"] = result["fast_tok_s"] * bytes_per_token / 1e9
+    print(f"{result['target']}: {tokens:,} tokens in {len(seqs):,} sequences")
+    print(f"limits measured now: matmul {peak:.0f} TFLOP/s -> {compute_limit:,.0f} tok/s; disk {disk:.2f} GB/s at "
+          f"{bytes_per_token:,} B/token -> {disk_limit:,.0f} tok/s")
+    print(f"fast path: {result['fast_tok_s']:,.0f} tok/s written to shards ({100 * result['share_of_limit']:.0f} % of "
+          f"the lower limit; {result['achieved_tflops']:.0f} TFLOP/s, {result['disk_gb_s_used']:.2f} GB/s)")
+    if not args.skip_baseline:
+        base_seqs = seqs
+        if args.baseline_tokens:
+            base_seqs, n = [], 0
+            for s in seqs:
+                if n >= args.baseline_tokens:
+                    break
+                base_seqs.append(s)
+                n += len(s)
+        naive = engine_on(model, args.device, args.dtype, False, args.baseline_batch_tokens)
+        naive.capture(base_seqs[:4], layer_ids)
+        base_s = run_path(naive, base_seqs, layer_ids, out / "naive", args.shard_tokens, args.chunk_tokens,
+                          streaming=False)
+        shutil.rmtree(out / "naive", ignore_errors=True)
+        result["naive_tok_s"] = sum(map(len, base_seqs)) / base_s
+        result["ratio_to_naive"] = result["fast_tok_s"] / result["naive_tok_s"]
+        print(f"naive path: {result['naive_tok_s']:,.0f} tok/s; ratio {result['ratio_to_naive']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2, sort_keys=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""The transformers engine's fast path (eaglepipe/engines/fast.py) against the model's own forward and generate.
+
+The fast path is what runs on a GPU; CI has none, so its logic is checked here on the CPU in float32, where it must
+give the same hidden states (to float32 rounding) and the same greedy token ids as transformers' own code.
+"""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+from eaglepipe.engines.fast import Decoder, supports
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=300, max_position_embeddings=512, tie_word_embeddings=False)
+
+
+def model_of(kind: str):
+    torch.manual_seed(0)
+    config = LlamaConfig(**SMALL, rope_theta=10000.0) if kind == "llama" else Qwen3Config(**SMALL, head_dim=16)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # larger weights than the init: distinct, confident next tokens, so argmax ties are rare
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    return model
+
+
+PROMPTS = [[5, 9, 200, 31, 7, 8], [77, 3], [8, 8, 8, 8, 1, 2, 3, 4, 5, 6, 7], [250]]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_capture_equals_output_hidden_states(kind):
+    model = model_of(kind)
+    assert supports(model)
+    width = max(map(len, PROMPTS))
+    ids = torch.tensor([p + [0] * (width - len(p)) for p in PROMPTS])  # right padding
+    with torch.no_grad():
+        aux, final = Decoder(model).hidden_states(ids, [0, 2, 4])
+        for row, p in enumerate(PROMPTS):
+            ref = model(torch.tensor([p]), output_hidden_states=True)
+            n = len(p)
+            for i, k in enumerate([0, 2]):
+                torch.testing.assert_close(aux[row, :n, i], ref.hidden_states[k][0], rtol=1e-5, atol=1e-5)
+            # id 4 = number of layers: the last layer's output before the final norm
+            pre_norm = model.model.norm.weight  # the final state is norm(pre-norm): check both ends agree
+            torch.testing.assert_close(final[row, :n], ref.hidden_states[-1][0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(model.model.norm(aux[row, :n, 2]), final[row, :n], rtol=1e-5, atol=1e-5)
+            assert pre_norm.shape[0] == aux.shape[-1]
+
+
+def reference_greedy(model, prompt, max_new_tokens, eos):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0,
+                             temperature=None, top_p=None, top_k=None)[0, len(prompt):].tolist()
+    for pos, tok in enumerate(out):
+        if tok in eos:
+            return out[: pos + 1], "stop"
+    return out, "length"
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_greedy_ids_equal_generate_with_early_ends_and_compaction(kind):
+    model = model_of(kind)
+    free = [reference_greedy(model, p, 40, [299])[0] for p in PROMPTS]
+    # An end token that two rows emit early (at different steps) and the others never do: rows end at different
+    # steps, the batch is compacted after step 16, the rest run to max_new_tokens.
+    eos = [free[0][5]] if free[0][5] not in free[2] + free[3] else [free[0][20]]
+    expected = [reference_greedy(model, p, 40, eos) for p in PROMPTS]
+    assert any(f == "stop" for _, f in expected) and any(f == "length" for _, f in expected)
+    with torch.no_grad():
+        got = Decoder(model).generate(PROMPTS, max_new_tokens=40, eos_ids=eos, pad_id=0, temperature=0.0, top_p=1.0,
+                                      seed=0, prefill_tokens=20)  # 20 padded tokens: prefill in row groups
+    assert got == expected
+
+
+def test_sampling_is_seeded_and_top_p_keeps_the_nucleus():
+    model = model_of("llama")
+    dec = Decoder(model)
+    kwargs = dict(max_new_tokens=12, eos_ids=[299], pad_id=0)
+    with torch.no_grad():
+        a = dec.generate(PROMPTS, temperature=1.0, top_p=0.95, seed=3, **kwargs)
+        b = dec.generate(PROMPTS, temperature=1.0, top_p=0.95, seed=3, **kwargs)
+        c = dec.generate(PROMPTS, temperature=1.0, top_p=0.95, seed=4, **kwargs)
+        narrow = dec.generate(PROMPTS, temperature=1.0, top_p=1e-6, seed=3, **kwargs)  # only the top token
+        greedy = dec.generate(PROMPTS, temperature=0.0, top_p=1.0, seed=0, **kwargs)
+    assert a == b
+    assert a != c
+    assert narrow == greedy
+    assert a != greedy
+
+
+def test_engine_fast_path_equals_reference_path(tiny_target):
+    """Through the engine interface: batches planned for the fast path, captures split from pinned-style buffers."""
+    from eaglepipe.engines import open_engine
+    from eaglepipe.engines.base import EngineSettings, Sampling
+
+    seqs = [[1, 5, 9, 200, 31], [1, 77], [1, 8, 8, 8, 8, 8, 8, 8, 8], [1, 2, 3]]
+    out = {}
+    for fast in (True, False):
+        with open_engine(tiny_target, EngineSettings(batch_size=3, max_batch_tokens=20, fast_path=fast)) as eng:
+            assert (eng.fast is not None) == fast
+            out[fast] = (eng.generate(seqs, Sampling(max_new_tokens=20)), eng.capture(seqs, [1, 2, 3]))
+    for a, b in zip(out[True][0], out[False][0]):
+        assert (a.output_ids, a.finish_reason) == (b.output_ids, b.finish_reason)
+    for a, b in zip(out[True][1], out[False][1]):
+        torch.testing.assert_close(a.aux.float(), b.aux.float(), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(a.final.float(), b.final.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_fast_path_true_refuses_a_layout_it_does_not_run(tmp_path, smollm2):
+    import tiny_targets
+
+    from eaglepipe.engines import open_engine
+    from eaglepipe.engines.base import EngineSettings
+
+    target = tiny_targets.deepseek_v3(tmp_path / "dsv3", smollm2, layers=2)
+    with pytest.raises(ValueError, match="engine.fast_path: true.*deepseek_v3"):
+        open_engine(target, EngineSettings(fast_path=True))
