@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
 from .target import TargetInfo, read_info
 
 # SmolLM2-135M, the embedded default, before the target rule has fetched it.
@@ -41,19 +39,21 @@ def target_facts(config: dict, embedded_dir="resources/targets/smollm2-135m") ->
 
 def count_prompts(config: dict) -> int | None:
     """Prompt records in the sources (capped by prompts.max_prompts); None when a source is absent and no cap."""
-    from .prompts import default_source
+    from .prompts import count_records, default_source
 
     p = config["prompts"]
+    synth = p.get("synthesize", {})
+    enabled, share = synth.get("enabled", False), synth.get("share")
     total = 0
-    for source in p["sources"] or [default_source()]:
+    for source in [] if enabled and share == 1 else (p["sources"] or [default_source()]):
         path = Path(source)
         if not path.is_file():
             return p["max_prompts"]
-        if path.suffix == ".parquet":
-            total += pq.ParquetFile(path).metadata.num_rows
-        else:
-            with open(path, encoding="utf-8") as f:
-                total += sum(1 for line in f if line.strip())
+        total += count_records(path)
+    if enabled:  # an upper bound: every sample drawn kept, then mixed at prompts.synthesize.share
+        count = synth["count"]
+        total = total + count if share is None else min(total / (1 - share) if share < 1 else count, count / share)
+        total = int(total)
     return min(total, p["max_prompts"]) if p["max_prompts"] else total
 
 
@@ -62,6 +62,8 @@ def gpu_rules(config: dict) -> list[dict]:
     jobs = 2 * config["generation"]["num_shards"]  # train and eval splits
     rows = [("traces", jobs, config["engine"]["gpus"]), ("hidden_states", jobs, config["engine"]["gpus"]),
             ("train", 1, config["train"]["gpus"]), ("bench", 1, config["engine"]["gpus"])]
+    if config["prompts"].get("synthesize", {}).get("enabled"):
+        rows.insert(0, ("synthesize_prompts", 1, config["engine"]["gpus"]))
     return [{"rule": r, "jobs": n, "gpus_per_job": g} for r, n, g in rows if g > 0]
 
 

@@ -1,3 +1,33 @@
+SYNTHESIZE = config["prompts"]["synthesize"]
+
+
+rule synthesize_prompts:
+    conda:
+        "../envs/eaglepipe.yaml"
+    input:
+        target=target_dir(),
+        chat_template=chat_template_file(),
+    output:
+        prompts="results/prompts/synthesized.parquet",
+        counts="results/prompts/synthesized.json",
+    params:
+        synthesize=SYNTHESIZE,
+        engine=config["engine"],
+        template_kwargs=config["generation"]["template_kwargs"],
+        chat_template=config["target"]["chat_template"],
+        # Completed chunks for resume after a crash: not an output, so Snakemake keeps it when the job fails.
+        progress="results/.progress/synthesize",
+    threads: config["engine"]["threads"]
+    resources:
+        gpu=config["engine"]["gpus"],
+    log:
+        "logs/synthesize_prompts.log",
+    benchmark:
+        "benchmarks/synthesize_prompts.tsv"
+    script:
+        "../scripts/synthesize.py"
+
+
 rule prompts:
     conda:
         "../envs/eaglepipe.yaml"
@@ -5,11 +35,14 @@ rule prompts:
         target=target_dir(),
         sources=prompt_sources(),
         chat_template=chat_template_file(),
+        synthesized=rules.synthesize_prompts.output.prompts if SYNTHESIZE["enabled"] else [],
     output:
         train="results/prompts/train.parquet",
         eval="results/prompts/eval.parquet",
     params:
-        prompts=config["prompts"],
+        # Without synthesis the params are what they were before it existed: no rerun of finished work.
+        prompts={k: v for k, v in config["prompts"].items() if k != "synthesize"},
+        share=SYNTHESIZE["share"] if SYNTHESIZE["enabled"] else None,
         template_kwargs=config["generation"]["template_kwargs"],
         chat_template=config["target"]["chat_template"],
     log:

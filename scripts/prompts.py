@@ -14,4 +14,6 @@ prompts.run(
     system_policy=p["system_policy"],
     chat_template=snakemake.params.chat_template,
     template_kwargs=snakemake.params.template_kwargs,
+    synthesized=snakemake.input.synthesized or None,
+    share=snakemake.params.share,
 )

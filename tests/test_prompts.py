@@ -75,3 +75,69 @@ def test_too_long_prompts_can_be_skipped(tmp_path, smollm2):
     lines = [{"prompt": f"short {i}"} for i in range(10)] + [{"prompt": "word " * 400}]
     out = run(tmp_path, [write_jsonl(tmp_path / "p.jsonl", lines)], smollm2, too_long="skip")
     assert sum(map(len, out.values())) == 10
+
+
+def test_sharegpt_json_array_as_distributed(tmp_path, smollm2):
+    """ShareGPT ships one JSON array of {"id", "conversations"}; the trailing gpt turn is dropped, earlier kept."""
+    records = [
+        {"id": "sg-1", "conversations": [{"from": "system", "value": "Be terse."},
+                                         {"from": "human", "value": "Name a prime."},
+                                         {"from": "gpt", "value": "7"},
+                                         {"from": "human", "value": "Another?"},
+                                         {"from": "gpt", "value": "11"}]},
+        {"id": "sg-2", "conversations": [{"from": "human", "value": "What is rain?"},
+                                         {"from": "gpt", "value": "Water falling."}]},
+        {"id": "sg-3", "conversations": [{"from": "human", "value": "Say hi"}]},
+    ]
+    source = tmp_path / "sharegpt.json"
+    source.write_text(json.dumps(records, indent=2))
+    assert [row for row, _ in prompts.read_records(source)] == [1, 2, 3]
+    assert prompts.count_records(source) == 3
+    out = run(tmp_path, [source], smollm2)
+    got = {r["id"]: json.loads(r["messages"]) for split in out.values() for r in split}
+    assert got == {
+        "sg-1": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Name a prime."},
+                 {"role": "assistant", "content": "7"}, {"role": "user", "content": "Another?"}],
+        "sg-2": [{"role": "user", "content": "What is rain?"}],
+        "sg-3": [{"role": "user", "content": "Say hi"}],
+    }
+
+
+def test_bad_json_array_names_the_record(tmp_path, smollm2):
+    source = tmp_path / "bad.json"
+    source.write_text(json.dumps([{"conversations": [{"from": "human", "value": "ok"}]}, ["not", "an", "object"]]))
+    with pytest.raises(prompts.PromptError, match="record 2 of the array: expected a JSON object"):
+        run(tmp_path, [source], smollm2)
+    source.write_text('[{"prompt": "fine"}, {"prompt": "broken}]')
+    with pytest.raises(prompts.PromptError, match=r"bad.json: not valid JSON .* line 1"):
+        run(tmp_path, [source], smollm2)
+
+
+def test_ultrachat_messages_parquet_as_distributed(tmp_path, smollm2):
+    """UltraChat (HuggingFaceH4/ultrachat_200k) ships Parquet with prompt, prompt_id and messages columns (ids
+    chosen to land one in each split)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    message = pa.struct([("content", pa.string()), ("role", pa.string())])
+    table = pa.table({
+        "prompt": ["How do tides work?", "Plan a picnic."],
+        "prompt_id": ["u-1", "u-4"],
+        "messages": [[{"content": "How do tides work?", "role": "user"},
+                      {"content": "The moon pulls the sea.", "role": "assistant"},
+                      {"content": "And the sun?", "role": "user"},
+                      {"content": "It pulls too, less.", "role": "assistant"}],
+                     [{"content": "Plan a picnic.", "role": "user"},
+                      {"content": "Bread, fruit, a blanket.", "role": "assistant"}]],
+    }, schema=pa.schema([("prompt", pa.string()), ("prompt_id", pa.string()), ("messages", pa.list_(message))]))
+    source = tmp_path / "ultrachat.parquet"
+    pq.write_table(table, source)
+    assert prompts.count_records(source) == 2
+    out = run(tmp_path, [source], smollm2)
+    got = {r["id"]: json.loads(r["messages"]) for split in out.values() for r in split}
+    assert got == {
+        "u-1": [{"role": "user", "content": "How do tides work?"},
+                {"role": "assistant", "content": "The moon pulls the sea."},
+                {"role": "user", "content": "And the sun?"}],
+        "u-4": [{"role": "user", "content": "Plan a picnic."}],
+    }
