@@ -74,9 +74,18 @@ class Decoder:
         return _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin), v
 
     def _attend(self, q, k, v, mask=None, causal=False):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
-                                             enable_gqa=self.kv_heads != self.heads)
-        b, _, t, _ = out.shape
+        """q [B, heads, t, d], k/v [B, kv_heads, S, d]. With a mask (generation), the query heads sharing a KV head
+        are stacked along the query axis, so the cache is read as it is, never repeated per query head."""
+        b, heads, t, d = q.shape
+        groups = heads // self.kv_heads
+        if mask is not None and groups > 1:
+            q = q.reshape(b, self.kv_heads, groups * t, d)  # head kv * groups + g: rows g-major, as repeat_kv orders
+            if mask.shape[-2] != 1:
+                mask = mask.repeat(1, 1, groups, 1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale).view(b, heads, t, d)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
+                                                 enable_gqa=groups > 1)
         return out.transpose(1, 2).reshape(b, t, -1)
 
     def _layer(self, layer, h, attend):
@@ -207,11 +216,14 @@ class Decoder:
 
 def rows_that_fit(decoder: Decoder, cap: int, share: float = 0.6):
     """A function: tokens per row -> rows of a generation batch whose KV cache and logits fit in `share` of the device
-    memory free now (at most cap; CPU: cap)."""
+    memory the model leaves (at most cap; CPU: cap). From the device's total memory and the model's own allocation,
+    not from what happens to be free, so the same device and settings give the same batches (and samples) every run."""
     if decoder.device.type != "cuda":
         return lambda tokens: cap
-    free, _ = torch.cuda.mem_get_info(decoder.device)
+    total = torch.cuda.get_device_properties(decoder.device).total_memory
+    weights = sum(p.numel() * p.element_size() for p in decoder.model.parameters())
+    budget = (total - weights) * share
     vocab = decoder.lm_head.weight.shape[0]
     fixed = 16 * vocab + 64 * decoder.model.config.hidden_size  # logits and sampling buffers, activations of a row
     per_token = decoder.cache_bytes_per_token()
-    return lambda tokens: max(1, min(cap, int(free * share // (per_token * tokens + fixed))))
+    return lambda tokens: max(1, min(cap, int(budget // (per_token * tokens + fixed))))
