@@ -21,7 +21,12 @@ Hidden-state shard (safetensors), packed tokens of one trace shard's successful 
     metadata: one key "eaglepipe" holding sorted JSON {ids, layer_ids, layer_convention, target_fingerprint}
         (one key, because safetensors writes a multi-key metadata map in no fixed order: bytes would vary)
 
-Manifest (JSON): {"layer_ids", "layer_convention", "hidden_size", "dtype", "target_fingerprint", "engine",
+Shard record (JSON, shard-i.json beside shard-i.safetensors, written by the same job right after the shard):
+    {"shard" (file name), "sha256" (of the bytes the job wrote, hashed before the rename), "bytes", "samples",
+    "tokens", "loss_tokens", "layer_ids", "target_fingerprint"}
+
+Manifest (JSON, gathered from the shard records; never from re-hashing the shards):
+    {"layer_ids", "layer_convention", "hidden_size", "dtype", "target_fingerprint", "engine",
     "tokens": {split: n}, "shards": [{"path", "split", "samples", "tokens", "loss_tokens", "sha256"}]}
 """
 

@@ -1,10 +1,14 @@
 """Hidden-state stage: the target's aux and final hidden states for the tokens of one trace shard.
 
+Each job writes its shard and, beside it, the shard's record (shard-i.json): the sha256 of the bytes it wrote
+(hashed before the rename, so it is what extraction produced, never what is on disk later) and its counts. The
+manifest only gathers these records; validation and training compare the bytes on disk against them.
 Shard and manifest formats are defined in formats.py.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -15,7 +19,7 @@ from .engines.base import EngineSettings
 from .formats import (
     LAYER_CONVENTION,
     TRACE_SCHEMA,
-    read_hidden_shard,
+    atomic_path,
     read_table,
     sha256_file,
     write_hidden_shard,
@@ -53,8 +57,31 @@ def sequences_of(rows: list[dict], max_length: int) -> tuple[list[str], list[lis
     return ids, seqs, masks
 
 
+def record_path_of(shard_path) -> Path:
+    """Where a shard's record lies when no other path is given: shard-i.json beside shard-i.safetensors."""
+    return Path(shard_path).with_suffix(".json")
+
+
+def write_record(record_path, shard_path, *, sha256: str, tensors: dict, metadata: dict) -> dict:
+    """The record of a shard just written: its file name, the sha256 of its bytes, its counts and settings."""
+    record = {"shard": Path(shard_path).name, "sha256": sha256, "bytes": Path(shard_path).stat().st_size,
+              "samples": len(metadata["ids"]), "tokens": int(tensors["input_ids"].numel()),
+              "loss_tokens": int(tensors["loss_mask"].sum()), "layer_ids": metadata["layer_ids"],
+              "target_fingerprint": metadata["target_fingerprint"]}
+    write_json(record_path, record)
+    return record
+
+
+def write_shard(output_path, record_path, tensors: dict, metadata: dict) -> dict:
+    """Write the shard under a temporary name, hash those bytes, rename it into place, then write its record."""
+    with atomic_path(output_path) as tmp:
+        write_hidden_shard(tmp, tensors, metadata)
+        digest = sha256_file(tmp)
+    return write_record(record_path, output_path, sha256=digest, tensors=tensors, metadata=metadata)
+
+
 def run(trace_path, output_path, *, target_dir, layer_ids, engine: dict, max_length: int, chunk_size: int,
-        progress_dir=None) -> None:
+        progress_dir=None, record_path=None) -> None:
     info = read_info(target_dir)
     layer_ids = resolve_layer_ids(layer_ids, info)
     ids, seqs, masks = sequences_of(read_table(trace_path, TRACE_SCHEMA), max_length)
@@ -94,25 +121,31 @@ def run(trace_path, output_path, *, target_dir, layer_ids, engine: dict, max_len
     }
     metadata = {"ids": ids, "layer_ids": layer_ids, "layer_convention": LAYER_CONVENTION,
                 "target_fingerprint": fingerprint(target_dir)}
-    write_hidden_shard(output_path, tensors, metadata)
+    write_shard(output_path, record_path or record_path_of(output_path), tensors, metadata)
     units.finish(-(-len(seqs) // chunk_size))
 
 
-def manifest(shard_paths: dict[str, list[str]], output_path, *, target_dir, engine: str) -> None:
-    """Gather the shards: their checksums and counts, and the settings they were made with."""
+def manifest(shard_paths: dict[str, list[str]], record_paths: dict[str, list[str]], output_path, *, target_dir,
+             engine: str) -> None:
+    """Gather the records the extraction jobs wrote with their shards (checksums, counts); never re-hash a shard:
+    the manifest must hold what extraction wrote, not what is on disk now."""
     shards, tokens, layer_ids = [], {}, None
     for split, paths in shard_paths.items():
         tokens[split] = 0
-        for path in paths:
-            tensors, meta = read_hidden_shard(path)
-            shard_layers = meta["layer_ids"]
-            if layer_ids is not None and shard_layers != layer_ids:
-                raise ValueError(f"{path}: layer ids {shard_layers} differ from other shards' {layer_ids}")
-            layer_ids = shard_layers
-            n = int(tensors["input_ids"].numel())
-            tokens[split] += n
-            shards.append({"path": str(path), "split": split, "samples": len(meta["ids"]),
-                           "tokens": n, "loss_tokens": int(tensors["loss_mask"].sum()), "sha256": sha256_file(path)})
+        records = record_paths[split]
+        if len(records) != len(paths):
+            raise ValueError(f"split {split}: {len(paths)} shards but {len(records)} shard records")
+        for path, record_path in zip(paths, records):
+            record = json.loads(Path(record_path).read_text())
+            if record["shard"] != Path(path).name:
+                raise ValueError(f"{record_path}: records shard {record['shard']!r}, not {Path(path).name!r}; "
+                                 f"delete {path} and {record_path} so its hidden_states job re-runs")
+            if layer_ids is not None and record["layer_ids"] != layer_ids:
+                raise ValueError(f"{path}: layer ids {record['layer_ids']} differ from other shards' {layer_ids}")
+            layer_ids = record["layer_ids"]
+            tokens[split] += record["tokens"]
+            shards.append({"path": str(path), "split": split, "samples": record["samples"],
+                           "tokens": record["tokens"], "loss_tokens": record["loss_tokens"], "sha256": record["sha256"]})
     info = read_info(target_dir)
     write_json(output_path, {
         "layer_ids": layer_ids, "layer_convention": LAYER_CONVENTION, "hidden_size": info.hidden_size,

@@ -1,6 +1,7 @@
 """Validation stage: every hidden-state shard against the manifest and its trace shard, before training reads it.
 
-A shard passes when its sha256 equals the manifest's, its tensors have the format's keys, dtypes and shapes, its
+A shard passes when its sha256 equals the one its hidden_states job recorded as it wrote the shard (the manifest
+gathers those records), its tensors have the format's keys, dtypes and shapes, its
 tokens are exactly the trace rows' tokens (same ids, same order, same truncation), its layer ids and target
 fingerprint are the manifest's, and its hidden states hold no NaN or Inf. validation.json lists each shard's checks.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -23,16 +25,36 @@ class ShardError(ValueError):
     pass
 
 
+def check_checksum(path, entry: dict) -> None:
+    """The shard's bytes on disk against the sha256 its hidden_states job recorded when it wrote them."""
+    where = f"hidden-state shard {path}"
+    if not Path(path).is_file():
+        raise ShardError(f"{where}: missing; run the workflow again so its hidden_states job re-runs")
+    digest = sha256_file(path)
+    if digest != entry["sha256"]:
+        raise ShardError(f"{where}: sha256 {digest[:12]}... differs from the manifest's {entry['sha256'][:12]}..., "
+                         "recorded by its hidden_states job when it wrote the shard: the file changed after "
+                         f"extraction (disk or copy damage?); delete {path} so its job re-runs")
+
+
+def verify_shards(manifest_path, shard_paths) -> None:
+    """Before training or evaluation reads them: every shard's bytes against its recorded sha256 (ShardError)."""
+    manifest = json.loads(Path(manifest_path).read_text())
+    recorded = {os.path.normpath(e["path"]): e for e in manifest["shards"]}
+    for path in shard_paths:
+        entry = recorded.get(os.path.normpath(path))
+        if entry is None:
+            raise ShardError(f"hidden-state shard {path}: not listed in {manifest_path}; delete {manifest_path} "
+                             "so the manifest rule gathers the shards' records again")
+        check_checksum(path, entry)
+    log.info("%d shards match the sha256 recorded when they were written", len(shard_paths))
+
+
 def check_shard(entry: dict, manifest: dict, trace_path, max_length: int) -> None:
     """Raise ShardError naming the shard and what is wrong with it."""
     path = Path(entry["path"])
     where = f"hidden-state shard {path}"
-    if not path.is_file():
-        raise ShardError(f"{where}: missing; rerun its hidden_states job")
-    digest = sha256_file(path)
-    if digest != entry["sha256"]:
-        raise ShardError(f"{where}: sha256 {digest[:12]}... differs from the manifest's {entry['sha256'][:12]}...; "
-                         "the file changed after extraction (corrupt copy?): delete it and rerun")
+    check_checksum(path, entry)
     try:
         tensors, meta = read_hidden_shard(path)
     except Exception as err:  # safetensors raises its own types for damaged headers
@@ -44,7 +66,7 @@ def check_shard(entry: dict, manifest: dict, trace_path, max_length: int) -> Non
     expected = torch.tensor([t for s in seqs for t in s], dtype=torch.int32)
     if meta.get("ids") != ids or not torch.equal(tensors["input_ids"], expected):
         raise ShardError(f"{where}: its tokens are not those of {trace_path} ({tensors['input_ids'].numel()} vs "
-                         f"{expected.numel()} tokens); rerun its hidden_states job")
+                         f"{expected.numel()} tokens); delete {path} so its hidden_states job re-runs")
     if int(tensors["loss_mask"].sum()) != sum(map(sum, masks)) or entry["tokens"] != expected.numel():
         raise ShardError(f"{where}: loss-mask or token counts differ from the traces and the manifest")
     for key in ("aux", "final"):

@@ -2,8 +2,9 @@ rule evaluate:
     conda:
         "../envs/eaglepipe.yaml"
     input:
-        shards=rules.manifest.input.eval,
-        validation=rules.validate_shards.output[0],
+        shards=HIDDEN_SHARDS["eval"],
+        manifest=rules.manifest.output.manifest,
+        validation=rules.validate_shards.output.validation,
         config=rules.train.output.config,
         model=rules.train.output.model,
         target=target_dir(),

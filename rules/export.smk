@@ -4,7 +4,7 @@ rule export:
     input:
         config=rules.train.output.config,
         model=rules.train.output.model,
-        manifest=rules.manifest.output[0],
+        manifest=rules.manifest.output.manifest,
         target=target_dir(),
     output:
         sglang_config="results/export/sglang/config.json",

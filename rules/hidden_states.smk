@@ -1,3 +1,8 @@
+# Each split's hidden-state shards and the records their jobs write beside them.
+HIDDEN_SHARDS = {s: shards("results/hidden_states/{split}/shard-{i}.safetensors", [s]) for s in SPLITS}
+SHARD_RECORDS = {s: shards("results/hidden_states/{split}/shard-{i}.json", [s]) for s in SPLITS}
+
+
 rule hidden_states:
     conda:
         "../envs/eaglepipe.yaml"
@@ -5,7 +10,9 @@ rule hidden_states:
         traces="results/traces/{split}/shard-{i}.parquet",
         target=target_dir(),
     output:
-        "results/hidden_states/{split}/shard-{i}.safetensors",
+        shard="results/hidden_states/{split}/shard-{i}.safetensors",
+        # The shard's sha256 and counts, written by the same job from the bytes it wrote (the manifest gathers these).
+        record="results/hidden_states/{split}/shard-{i}.json",
     params:
         engine=config["engine"],
         hidden_states=config["hidden_states"],
@@ -27,12 +34,14 @@ rule manifest:
     conda:
         "../envs/eaglepipe.yaml"
     input:
-        train=shards("results/hidden_states/{split}/shard-{i}.safetensors", ["train"]),
-        eval=shards("results/hidden_states/{split}/shard-{i}.safetensors", ["eval"]),
+        # Only the records: the manifest gathers what extraction wrote and never reads (or re-hashes) a shard.
+        train=SHARD_RECORDS["train"],
+        eval=SHARD_RECORDS["eval"],
         target=target_dir(),
     output:
-        "results/hidden_states/manifest.json",
+        manifest="results/hidden_states/manifest.json",
     params:
+        shards=HIDDEN_SHARDS,
         engine=config["engine"]["name"],
     log:
         "logs/manifest.log",
@@ -44,11 +53,11 @@ rule validate_shards:
     conda:
         "../envs/eaglepipe.yaml"
     input:
-        manifest=rules.manifest.output[0],
-        shards=rules.manifest.input.train + rules.manifest.input.eval,
+        manifest=rules.manifest.output.manifest,
+        shards=HIDDEN_SHARDS["train"] + HIDDEN_SHARDS["eval"],
         traces=shards("results/traces/{split}/shard-{i}.parquet"),
     output:
-        "results/hidden_states/validation.json",
+        validation="results/hidden_states/validation.json",
     params:
         max_length=config["hidden_states"]["max_length"],
     log:

@@ -4,7 +4,7 @@ rule report:
     input:
         trace_stats=rules.trace_stats.output[0],
         coverage=rules.vocab.output.coverage,
-        manifest=rules.manifest.output[0],
+        manifest=rules.manifest.output.manifest,
         train_log=rules.train.output.log,
         acceptance=rules.evaluate.output[0],
         served=rules.bench.output[0],

@@ -2,9 +2,9 @@ rule train:
     conda:
         "../envs/eaglepipe.yaml"
     input:
-        shards=rules.manifest.input.train,
-        manifest=rules.manifest.output[0],
-        validation=rules.validate_shards.output[0],
+        shards=HIDDEN_SHARDS["train"],
+        manifest=rules.manifest.output.manifest,
+        validation=rules.validate_shards.output.validation,
         vocab=rules.vocab.output.map,
         target=target_dir(),
     output:

@@ -1,8 +1,9 @@
 from pathlib import Path
 
-from eaglepipe import evaluate, logs
+from eaglepipe import evaluate, logs, validate
 
 logs.to_file(snakemake.log[0])
+validate.verify_shards(snakemake.input.manifest, snakemake.input.shards)
 evaluate.run(
     list(snakemake.input.shards),
     Path(snakemake.input.model).parent,

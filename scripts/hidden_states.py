@@ -9,7 +9,7 @@ if __name__ == "__main__":
     preflight.run_job(
         snakemake.config,
         snakemake.input.target,
-        output_path=snakemake.output[0],
+        output_path=snakemake.output.shard,
         needed_bytes=preflight.hidden_states_estimate(snakemake.input.traces, h["max_length"],
                                                       read_info(snakemake.input.target).hidden_size),
         stage_outputs=snakemake.params.stage,
@@ -18,11 +18,12 @@ if __name__ == "__main__":
     )
     hidden_states.run(
         snakemake.input.traces,
-        snakemake.output[0],
+        snakemake.output.shard,
         target_dir=snakemake.input.target,
         layer_ids=h["aux_layer_ids"],
         engine={**snakemake.params.engine, "threads": snakemake.threads},
         max_length=h["max_length"],
         chunk_size=h["chunk_size"],
         progress_dir=snakemake.params.progress,
+        record_path=snakemake.output.record,
     )

@@ -1,10 +1,11 @@
 import json
 from pathlib import Path
 
-from eaglepipe import gpus, logs, train
+from eaglepipe import gpus, logs, train, validate
 
 logs.to_file(snakemake.log[0])
 gpus.claim(snakemake.resources.gpu)
+validate.verify_shards(snakemake.input.manifest, snakemake.input.shards)
 manifest = json.loads(Path(snakemake.input.manifest).read_text())
 settings = snakemake.params.train
 train.launch(

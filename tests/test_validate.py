@@ -1,4 +1,5 @@
-"""Validation names a damaged hidden-state shard: flipped bytes, truncation, planted NaN, foreign tokens."""
+"""Validation names a damaged hidden-state shard: flipped bytes, truncation, planted NaN, foreign tokens; a shard
+damaged after a finished run fails the run against the sha256 its extraction job recorded, and no draft is trained."""
 
 import json
 import shutil
@@ -12,13 +13,23 @@ from eaglepipe import validate
 from eaglepipe.formats import sha256_file
 
 SHARD = "results/hidden_states/train/shard-0.safetensors"
+DRAFT = "results/draft/model.safetensors"
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, tiny_target):
+    """A finished small run up to the draft; tests damage copies of it."""
     workdir = tmp_path_factory.mktemp("validate")
-    snakemake(workdir, tiny_config(tiny_target), "results/hidden_states/validation.json")
+    snakemake(workdir, tiny_config(tiny_target), DRAFT)
     return workdir
+
+
+def flip_middle(shard, n=64):
+    """The issue's corruption: 64 bytes in the middle of the file inverted."""
+    data = bytearray(shard.read_bytes())
+    middle = len(data) // 2
+    data[middle: middle + n] = bytes(b ^ 0xFF for b in data[middle: middle + n])
+    shard.write_bytes(bytes(data))
 
 
 def check(workdir, tmp_path, damage, rehash=False):
@@ -85,3 +96,37 @@ def test_tokens_that_do_not_match_the_traces_are_named(built, tmp_path):
 
     with pytest.raises(validate.ShardError, match=r"train/shard-0.safetensors: its tokens are not those of"):
         check(built, tmp_path, rewrite(swap), rehash=True)
+
+
+def test_shard_damaged_after_a_finished_run_fails_it_and_trains_no_draft(built, tmp_path, tiny_target, monkeypatch):
+    run = tmp_path / "run"
+    shutil.copytree(built, run)  # with Snakemake's metadata: a finished run, as a user would have it
+    record = json.loads((run / SHARD).with_suffix(".json").read_text())
+    assert record["sha256"] == sha256_file(run / SHARD)
+    draft = (run / DRAFT).read_bytes()
+    draft_mtime = (run / DRAFT).stat().st_mtime_ns
+    config = tiny_config(tiny_target)
+    dry = snakemake(run, config, DRAFT, "-n")
+    assert "Nothing to be done" in dry.stdout + dry.stderr, f"the copied run is not finished:\n{dry.stdout[-3000:]}"
+    old_log = (run / "logs/validate_shards.log").read_text()
+    flip_middle(run / SHARD)
+    result = snakemake(run, config, DRAFT, check=False)
+    assert result.returncode != 0, f"the run went on with a damaged shard:\n{result.stderr[-3000:]}"
+    log = (run / "logs/validate_shards.log").read_text().removeprefix(old_log)
+    assert f"{SHARD}: sha256" in log and f"delete {SHARD} so its job re-runs" in log
+    assert f"{SHARD} ok" not in log
+    # The manifest still holds what extraction wrote; the draft was neither retrained nor removed.
+    manifest = json.loads((run / "results/hidden_states/manifest.json").read_text())
+    assert [s["sha256"] for s in manifest["shards"] if s["path"] == SHARD] == [record["sha256"]]
+    assert (run / DRAFT).read_bytes() == draft and (run / DRAFT).stat().st_mtime_ns == draft_mtime
+    assert not (run / "results/hidden_states/validation.json").exists()
+    # Training checks the bytes itself (a validation.json from before the damage does not let it through).
+    monkeypatch.chdir(run)  # the workflow's paths are relative to its directory
+    with pytest.raises(validate.ShardError, match=rf"{SHARD}: sha256 .* recorded by its hidden_states job"):
+        validate.verify_shards("results/hidden_states/manifest.json", [SHARD])
+
+
+def test_training_refuses_a_shard_missing_from_the_manifest(built, tmp_path):
+    with pytest.raises(validate.ShardError, match=r"shard-9.safetensors: not listed in .*manifest.json"):
+        validate.verify_shards(built / "results/hidden_states/manifest.json",
+                               [str(built / "results/hidden_states/train/shard-9.safetensors")])
