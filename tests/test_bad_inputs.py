@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from conftest import generate_mixed, snakemake, tiny_config
 from eaglepipe import hidden_states, preflight, prompts, traces, vocab
 from eaglepipe.config import validate
-from eaglepipe.formats import TRACE_SCHEMA, read_hidden_shard, read_table, write_table
+from eaglepipe.formats import TRACE_SCHEMA, read_hidden_shard, read_table, sha256_file, write_table
 from eaglepipe.target import read_info
 
 
@@ -181,7 +181,7 @@ def shard(tmp_path, change=None, layer_ids=(2, 4, 5)):
                "final": torch.zeros(t, h, dtype=torch.bfloat16)}
     if change:
         change(tensors)
-    path = tmp_path / f"shard-{len(list(tmp_path.glob('shard-*')))}.safetensors"
+    path = tmp_path / f"shard-{len(list(tmp_path.glob('shard-*.safetensors')))}.safetensors"
     meta = {"ids": ["p0"], "layer_ids": list(layer_ids), "layer_convention": "input_of_layer",
             "target_fingerprint": "x"}
     save_file(tensors, str(path), metadata={"eaglepipe": json.dumps(meta, sort_keys=True)})
@@ -200,12 +200,33 @@ def test_hidden_shard_with_wrong_dtype(tmp_path):
         read_hidden_shard(path)
 
 
+def record(path):
+    """The record the shard's hidden_states job would have written beside it."""
+    tensors, meta = read_hidden_shard(path)
+    hidden_states.write_record(path.with_suffix(".json"), path, sha256=sha256_file(path), tensors=tensors,
+                               metadata=meta)
+    return path.with_suffix(".json")
+
+
 def test_hidden_shards_with_different_layer_ids(tmp_path, tiny_target):
     paths = [shard(tmp_path), shard(tmp_path, layer_ids=(1, 4, 5))]
+    records = [record(p) for p in paths]
     out = tmp_path / "manifest.json"
     with pytest.raises(ValueError, match=r"shard-1.safetensors: layer ids \[1, 4, 5\] differ from other shards' "
                                          r"\[2, 4, 5\]"):
-        hidden_states.manifest({"train": [str(p) for p in paths]}, out, target_dir=tiny_target, engine="transformers")
+        hidden_states.manifest({"train": [str(p) for p in paths]}, {"train": [str(r) for r in records]}, out,
+                               target_dir=tiny_target, engine="transformers")
+    assert not out.exists()
+
+
+def test_shard_record_of_another_shard(tmp_path, tiny_target):
+    paths = [shard(tmp_path), shard(tmp_path)]
+    records = [record(p) for p in paths]
+    out = tmp_path / "manifest.json"
+    with pytest.raises(ValueError, match=r"shard-1.json: records shard 'shard-1.safetensors', not "
+                                         r"'shard-0.safetensors'; delete .*shard-0.safetensors and .*shard-1.json"):
+        hidden_states.manifest({"train": [str(p) for p in paths]}, {"train": [str(r) for r in records[::-1]]}, out,
+                               target_dir=tiny_target, engine="transformers")
     assert not out.exists()
 
 
