@@ -5,15 +5,17 @@ from snakemake.exceptions import WorkflowError
 
 import eaglepipe.config
 import eaglepipe.estimate
-import eaglepipe.reasoning
-import eaglepipe.target
 
+EMBEDDED_TARGET = "resources/targets/smollm2-135m"
+
+# The one check of the configuration (eaglepipe.config.check_workflow), before anything else reads it.
 try:
-    eaglepipe.config.validate(config, workflow.source_path("../config/schema.yaml"))
+    TARGET_FACTS = eaglepipe.config.check_workflow(
+        config, workflow.source_path("../config/schema.yaml"), embedded_target=EMBEDDED_TARGET
+    )
 except eaglepipe.config.ConfigError as err:
     raise WorkflowError(str(err)) from None
 
-EMBEDDED_TARGET = "resources/targets/smollm2-135m"
 SPLITS = ["train", "eval"]
 SHARDS = list(range(config["generation"]["num_shards"]))
 
@@ -47,33 +49,10 @@ def target_dir():
     return ancient(path)
 
 
-def check_config_against_target():
-    """Config that cannot fit the target (layer ids beyond its depth, a draft vocabulary larger than its own) fails
-    here, before any job, whenever the target's config.json is already there (jobs check again: eaglepipe.preflight)."""
-    path = config["target"]["path"] or EMBEDDED_TARGET
-    if not config["preflight"]["enabled"] or not os.path.isfile(os.path.join(path, "config.json")):
-        return
-    import eaglepipe.preflight  # here: it imports torch, which runs without a target need not wait for
-    import eaglepipe.target
-
-    try:
-        eaglepipe.preflight.check_config(config, eaglepipe.target.read_info(path))
-    except (ValueError, eaglepipe.preflight.PreflightError) as err:
-        raise WorkflowError(f"{err}\n(target {path})") from None
-
-
-check_config_against_target()
-
 def chat_template_file():
-    """The override chat template as an input (a changed file re-runs prompts and traces), checked at parse time."""
+    """The override chat template as an input (a changed file re-runs prompts and traces); checked with the config."""
     path = config["target"]["chat_template"]
-    if path is None:
-        return []
-    try:
-        eaglepipe.reasoning.read_template(path)
-    except ValueError as err:
-        raise WorkflowError(str(err)) from None
-    return path
+    return [] if path is None else path
 
 
 def prompt_sources():
@@ -90,19 +69,13 @@ def prompt_sources():
     return present
 
 
-try:
-    eaglepipe.reasoning.apply_system_policy([], config["prompts"]["system_policy"], config["prompts"]["system_prompt"])
-    TARGET_FACTS = eaglepipe.estimate.target_facts(config)
-    eaglepipe.target.resolve_layer_ids(
-        config["hidden_states"]["aux_layer_ids"],
-        eaglepipe.target.TargetInfo(TARGET_FACTS["num_layers"], 0, 0, 0, {}),
-    )
-    # The plan reads every prompt source: once, in the main process, not again in every job's own parse;
-    # `snakemake --quiet` leaves it out.
-    if workflow.is_main_process and not getattr(workflow.output_settings, "quiet", None):
+# The plan reads every prompt source: once, in the main process, not again in every job's own parse;
+# `snakemake --quiet` leaves it out.
+if workflow.is_main_process and not getattr(workflow.output_settings, "quiet", None):
+    try:
         print(eaglepipe.estimate.format_plan(eaglepipe.estimate.plan(config)), file=sys.stderr)
-except ValueError as err:
-    raise WorkflowError(str(err)) from None
+    except ValueError as err:
+        raise WorkflowError(str(err)) from None
 
 
 def shards(pattern, splits=SPLITS):

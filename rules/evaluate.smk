@@ -9,11 +9,11 @@ rule evaluate:
         model=rules.train.output.model,
         target=target_dir(),
     output:
-        "results/eval/acceptance.json",
+        acceptance="results/eval/acceptance.json",
     params:
         max_k=config["evaluate"]["max_k"],
-        max_tokens=config["train"]["max_batch_tokens"],
-    threads: config["train"]["threads"]
+        max_tokens=config["evaluate"]["max_batch_tokens"],
+    threads: config["evaluate"]["threads"]
     log:
         "logs/evaluate.log",
     script:

@@ -2,12 +2,12 @@ rule report:
     conda:
         "../envs/eaglepipe.yaml"
     input:
-        trace_stats=rules.trace_stats.output[0],
+        trace_stats=rules.trace_stats.output.stats,
         coverage=rules.vocab.output.coverage,
         manifest=rules.manifest.output.manifest,
         train_log=rules.train.output.log,
-        acceptance=rules.evaluate.output[0],
-        served=rules.bench.output[0],
+        acceptance=rules.evaluate.output.acceptance,
+        served=rules.bench.output.served,
     output:
         summary="results/report/summary.md",
     params:
@@ -24,8 +24,8 @@ rule plots:
     input:
         coverage=rules.vocab.output.coverage,
         train_log=rules.train.output.log,
-        acceptance=rules.evaluate.output[0],
-        served=rules.bench.output[0],
+        acceptance=rules.evaluate.output.acceptance,
+        served=rules.bench.output.served,
     output:
         coverage=report(
             "results/report/coverage.png",

@@ -2,7 +2,7 @@ rule target:
     conda:
         "../envs/eaglepipe.yaml"
     output:
-        directory(EMBEDDED_TARGET),
+        target=directory(EMBEDDED_TARGET),
     log:
         "logs/target.log",
     benchmark:

@@ -6,7 +6,7 @@ rule traces:
         target=target_dir(),
         chat_template=chat_template_file(),
     output:
-        "results/traces/{split}/shard-{i}.parquet",
+        shard="results/traces/{split}/shard-{i}.parquet",
     params:
         engine=config["engine"],
         generation=config["generation"],
@@ -30,9 +30,9 @@ rule trace_stats:
     conda:
         "../envs/eaglepipe.yaml"
     input:
-        shards("results/traces/{split}/shard-{i}.parquet"),
+        shards=shards("results/traces/{split}/shard-{i}.parquet"),
     output:
-        "results/traces/stats.json",
+        stats="results/traces/stats.json",
     log:
         "logs/trace_stats.log",
     script:

@@ -11,7 +11,7 @@ if __name__ == "__main__":
         snakemake.input.prompts,
         Path(snakemake.input.model).parent,
         snakemake.input.acceptance,
-        snakemake.output[0],
+        snakemake.output.served,
         target_dir=snakemake.input.target,
         engine={**snakemake.params.engine, "threads": snakemake.threads},
         ks=b["ks"],

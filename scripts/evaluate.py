@@ -7,7 +7,7 @@ validate.verify_shards(snakemake.input.manifest, snakemake.input.shards)
 evaluate.run(
     list(snakemake.input.shards),
     Path(snakemake.input.model).parent,
-    snakemake.output[0],
+    snakemake.output.acceptance,
     target_dir=snakemake.input.target,
     max_k=snakemake.params.max_k,
     max_tokens=snakemake.params.max_tokens,

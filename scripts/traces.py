@@ -9,7 +9,7 @@ if __name__ == "__main__":
     preflight.run_job(
         snakemake.config,
         snakemake.input.target,
-        output_path=snakemake.output[0],
+        output_path=snakemake.output.shard,
         needed_bytes=preflight.traces_estimate(snakemake.input.prompts, shard, g["num_shards"], g["max_new_tokens"]),
         stage_outputs=snakemake.params.stage,
         what="trace shards",
@@ -17,7 +17,7 @@ if __name__ == "__main__":
     )
     traces.run(
         snakemake.input.prompts,
-        snakemake.output[0],
+        snakemake.output.shard,
         target_dir=snakemake.input.target,
         split=snakemake.wildcards.split,
         shard=shard,
