@@ -1,25 +1,44 @@
-"""Draft training speed in float32 and in bf16 autocast (`train.precision`), measured in one run.
+"""Draft training speed and memory on one device, against the naive path and the float32 reference, in one run.
 
-    python -m eaglepipe.bench_train --preset kimi-k2 --device cuda --tokens 4096 --ttt-steps 7
+    python -m eaglepipe.bench_train --preset smollm2-135m,kimi-k2 --tokens 16384,4096 --seq-len 1024,2048 \
+        --device cuda --json gpu-training.json
 
-A draft of the preset target's shape (or of `--target-config config.json`) takes training steps on one packed batch of
-random hidden states, through the training loop's own objective, batch layout, gradient clipping and AdamW; embeddings and target head
-are random too, so no checkpoint is needed. Prints, per precision, ms per step, tokens per second and peak device
-memory, then the bf16 / fp32 speed ratio. Both start from the same weights and batch, so their first-step losses must
-agree closely; a large gap means the bf16 path computes something else.
+A draft of each preset target's shape (or of `--target-config config.json`) takes training steps on one packed batch
+of random hidden states (sequences of --seq-len tokens), through the training loop's own objective, batch layout,
+gradient clipping and AdamW; embeddings and target head are random too, so no checkpoint is needed. Per preset it
+prints and writes (--json):
+- the new path (train.py's: flex_attention context + merged diagonal, chunked soft cross-entropy) in bf16 autocast
+  with float32 master weights: ms per step, tok/s, achieved TFLOP/s, % of the bf16 matmul peak measured in this run
+  (MFU), peak device memory and peak bytes per token;
+- its first-step loss against the float32 reference path (the original dense attention and per-step loss, a forward
+  pass from the same weights and batch): relative gap within LOSS_TOLERANCE;
+- the naive baseline (the original path in bf16, as training ran before: --no-baseline skips it; out of memory is
+  reported, not fatal): tok/s, peak memory, the speed ratio, and how far its first-step gradient is from the new
+  path's (relative L2 norm of the difference: the new path computes the same gradient).
+
+FLOP per token (flop_per_token, written out in `flops`): with T tokens, R_j loss rows at unroll step j, V rows with a
+target, pairs_j the (query, key) pairs attended at step j (document-causal context plus j diagonal entries):
+    6 * P_layer * steps                     decoder layer (q, k, v, o, gate, up, down): forward 2, backward 4
+  + 4 * P_fc                                fc once (its input needs no gradient: forward 2, weight gradient 2)
+  + 6 * P_head * sum_j R_j / T              lm_head on the loss rows only
+  + 2 * P_targethead * V / T                the soft targets (forward only)
+  + 12 * heads * head_dim * sum_j pairs_j / T   attention: QK^T and PV forward 4, backward 8 per pair and dim
+Elementwise work and anything recomputed are not counted.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import sys
 import time
 
 import torch
 
-from .batches import collate, step_mask, targets
+from .batches import collate, targets
 from .draft import DraftConfig
-from .train import Objective, autocast, init_draft
+from .train import Objective, autocast, init_draft, optimizer
 
 # Shapes of targets this pipeline is built for (config.json keys the draft reads).
 PRESETS = {
@@ -35,65 +54,137 @@ PRESETS = {
     "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
              "vocab_size": 2048, "max_position_embeddings": 2048, "rope_theta": 10000.0},
 }
+LOSS_TOLERANCE = 1e-2  # relative gap of the bf16 first-step loss to the float32 reference's
+GRAD_TOLERANCE = 5e-2  # relative L2 gap of the new path's first-step gradient to the baseline's (both bf16)
 
 
-def synthetic_batch(config: DraftConfig, tokens: int, seq_len: int, device: torch.device, seed: int):
-    """One packed batch of tokens // seq_len sequences: random token ids from the draft vocabulary, random states."""
+def synthetic_batch(config: DraftConfig, tokens: int, seq_len: int, device: torch.device, seed: int, steps: int):
+    """One packed batch of tokens // seq_len sequences: random token ids from the draft vocabulary, random states;
+    collated as train.py does (loss rows on the host)."""
     gen = torch.Generator().manual_seed(seed)
     n = max(tokens // seq_len, 1)
     t, h = n * seq_len, config.target_hidden_size
     shard = {
         "input_ids": torch.randint(config.draft_vocab_size, (t,), generator=gen),
         "loss_mask": torch.ones(t, dtype=torch.bool),
-        "aux": torch.randn(t, len(config.aux_layer_ids), h, generator=gen),
-        "final": torch.randn(t, h, generator=gen),
+        "aux": torch.randn(t, len(config.aux_layer_ids), h, generator=gen).to(torch.bfloat16),
+        "final": torch.randn(t, h, generator=gen).to(torch.bfloat16),
         "cu_seqlens": torch.arange(0, t + 1, seq_len),
     }
-    return collate(shard, list(range(n)), seq_len, torch.float32, device)
+    t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+    t2d[:config.draft_vocab_size] = True  # the draft vocabulary is the first vd target ids: d2t offsets are 0
+    return collate(shard, list(range(n)), seq_len, torch.float32, device, t2d=t2d, steps=steps), t2d
 
 
-def measure(config: DraftConfig, precision: str, device: torch.device, batch, ttt_steps: int, steps: int,
-            seed: int) -> dict:
-    """Warm-up step, then `steps` timed steps; the loss of the warm-up (first) step is returned too."""
+def flops(config: DraftConfig, batch, steps: int) -> dict:
+    """The FLOP count of one training step, by term (see the module docstring), and per token."""
+    h, heads, kv, d = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    layer = 2 * h * heads * d + 2 * (2 * h * kv * d) + heads * d * h + 3 * h * config.intermediate_size
+    fc = len(config.aux_layer_ids) * config.target_hidden_size * h
+    head = config.draft_vocab_size * h
+    t = batch.tokens
+    lengths = torch.bincount(batch.doc.cpu()).tolist()
+    context_pairs = sum(n * (n + 1) // 2 for n in lengths)
+    pairs = steps * context_pairs + t * steps * (steps - 1) // 2
+    terms = {
+        "layer": 6 * layer * steps * t,
+        "fc": 4 * fc * t,
+        "lm_head": 6 * head * sum(batch.step_counts),
+        "targets": 2 * config.draft_vocab_size * config.target_hidden_size * int(batch.valid.sum()),
+        "attention": 12 * heads * d * pairs,
+    }
+    return {"params_layer": layer, "params_fc": fc, "params_head": head, "terms": terms,
+            "per_token": sum(terms.values()) / t}
+
+
+def matmul_peak(device: torch.device, n: int = 8192, repeats: int = 10) -> float:
+    """bf16 matmul TFLOP/s: n x n x n products, mean over `repeats` after warm-up."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    sync(device)
+    seconds = (time.perf_counter() - start) / repeats
+    del a, b
+    return 2 * n ** 3 / seconds / 1e12
+
+
+def build(config, device, seed, attention):
     gen = torch.Generator().manual_seed(seed)
     vd, v, h = config.draft_vocab_size, config.vocab_size, config.hidden_size
     t2d = torch.zeros(v, dtype=torch.bool)
-    t2d[:vd] = True  # the draft vocabulary is the first vd target ids: d2t offsets are 0
+    t2d[:vd] = True
     vocab = {"d2t": torch.zeros(vd, dtype=torch.int64), "t2d": t2d}
     draft_head = torch.randn(vd, h, generator=gen) * 0.02
     model = init_draft(config, vocab, draft_head, seed).to(device)
-    draft_head, t2d = draft_head.to(device), t2d.to(device)
-    embed = (torch.randn(v, h, generator=gen) * 0.02).to(device)
+    model.attention = attention
+    embed = (torch.randn(v, h, generator=gen) * 0.02).to(torch.bfloat16).to(device)  # as train.py keeps it
+    return model, draft_head.to(device), t2d.to(device), embed
+
+
+def measure(config: DraftConfig, device: torch.device, batch, ttt_steps: int, steps: int, seed: int, *,
+            precision: str = "bf16", attention: str = "merged", loss: str = "chunked", keep_grad: bool = False
+            ) -> dict:
+    """Warm-up step, then `steps` timed steps; the loss (and optionally the gradient) of the first step too."""
+    model, draft_head, t2d, embed = build(config, device, seed, attention)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4)
-    objective = Objective(model)
+    opt = optimizer(params, device, lr=1e-4)
+    objective = Objective(model, loss=loss)
+    counts = [float(c) for c in batch.step_counts]
+    grad = None
     if device.type == "cuda":
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 
-    def step() -> float:
+    def step(first=False):
+        nonlocal grad
+        opt.zero_grad(set_to_none=True)
         with autocast(device, precision):
             probs, valid = targets(batch, draft_head, t2d)
-            counts = [float(step_mask(batch, valid, j).sum()) for j in range(ttt_steps)]
-            loss, _ = objective(batch, embed, probs, valid, counts, 0.8, 1.0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+            value, _ = objective(batch, embed, probs, valid, counts, 0.8, 1.0)
+        value.backward()
+        if first and keep_grad:
+            grad = torch.cat([p.grad.detach().flatten().float().cpu() for p in params])
         torch.nn.utils.clip_grad_norm_(params, 0.5)  # as train.run does every step
         opt.step()
-        return float(loss.detach())
+        return value.detach()
 
-    first = step()
+    first = float(step(first=True))
     sync(device)
     start = time.perf_counter()
     for _ in range(steps):
         step()
     sync(device)
     seconds = (time.perf_counter() - start) / steps
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-    del model, opt, objective, embed
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else float("nan")
+    del model, opt, objective, embed, params
+    free(device)
+    return {"precision": precision, "attention": attention, "loss": loss, "ms_per_step": 1000 * seconds,
+            "tok_s": batch.tokens / seconds, "peak_gib": peak / 2 ** 30, "peak_bytes_per_token": peak / batch.tokens,
+            "first_loss": first, "grad": grad}
+
+
+@torch.no_grad()
+def reference_loss(config, device, batch, ttt_steps, seed) -> float:
+    """First-step loss of the float32 reference path (original dense attention, per-step loss): a forward pass."""
+    model, draft_head, t2d, embed = build(config, device, seed, "dense")
+    probs, valid = targets(batch, draft_head, t2d)
+    value, _ = Objective(model, loss="reference")(batch, embed, probs, valid, [float(c) for c in batch.step_counts],
+                                                  0.8, 1.0)
+    value = float(value)
+    del model, embed, probs
+    free(device)
+    return value
+
+
+def free(device):
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"precision": precision, "ms_per_step": 1000 * seconds, "tok_s": batch.tokens / seconds,
-            "peak_gib": peak, "first_loss": first}
 
 
 def sync(device: torch.device) -> None:
@@ -101,41 +192,122 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def listed(value: str, n: int, kind=int) -> list:
+    items = [kind(v) for v in str(value).split(",")]
+    if len(items) == 1:
+        items *= n
+    if len(items) != n:
+        raise SystemExit(f"{value!r}: give one value or one per preset ({n})")
+    return items
+
+
+def run_preset(name, target, tokens, seq_len, args, device, peak_tflops) -> dict:
+    layers = target.get("num_hidden_layers", 8)
+    config = DraftConfig.from_target(target, draft_vocab_size=min(args.draft_vocab, target["vocab_size"]),
+                                     aux_layer_ids=[2, layers // 2, layers - 3])
+    batch, _ = synthetic_batch(config, tokens, min(seq_len, tokens), device, args.seed, args.ttt_steps)
+    count = flops(config, batch, args.ttt_steps)
+    print(f"[{name}] draft: hidden {config.hidden_size}, heads {config.num_attention_heads}x{config.head_dim} "
+          f"(kv {config.num_key_value_heads}), intermediate {config.intermediate_size}, draft vocab "
+          f"{config.draft_vocab_size}; batch {batch.tokens} tokens in sequences of {min(seq_len, tokens)}, "
+          f"{args.ttt_steps} unroll steps", flush=True)
+    print(f"[{name}] FLOP/token {count['per_token'] / 1e9:.2f} G = " + " + ".join(
+        f"{k} {v / batch.tokens / 1e9:.2f}" for k, v in count["terms"].items()) + " (G)", flush=True)
+    new = measure(config, device, batch, args.ttt_steps, args.steps, args.seed, keep_grad=not args.no_baseline)
+    achieved = count["per_token"] * new["tok_s"] / 1e12
+    mfu = achieved / peak_tflops if peak_tflops else float("nan")
+    ref = reference_loss(config, device, batch, args.ttt_steps, args.seed)
+    gap = abs(new["first_loss"] - ref) / abs(ref)
+    print(f"[{name}] new path (bf16, flex attention + merged diagonal, chunked soft CE): "
+          f"{new['ms_per_step']:.1f} ms/step, {new['tok_s']:.0f} tok/s, {achieved:.1f} TFLOP/s = "
+          f"{100 * mfu:.1f} % of the measured {peak_tflops:.0f} TFLOP/s peak; peak {new['peak_gib']:.2f} GiB = "
+          f"{new['peak_bytes_per_token'] / 1e3:.1f} kB/token", flush=True)
+    print(f"[{name}] first-step loss {new['first_loss']:.6f} vs float32 reference {ref:.6f}: relative gap "
+          f"{gap:.2e} ({'within' if gap <= LOSS_TOLERANCE else 'OUTSIDE'} {LOSS_TOLERANCE:g})", flush=True)
+    result = {
+        "preset": name, "tokens": batch.tokens, "seq_len": min(seq_len, tokens), "ttt_steps": args.ttt_steps,
+        "draft_vocab": config.draft_vocab_size, "flop_per_token": count["per_token"], "flop_terms": count["terms"],
+        "tok_s": new["tok_s"], "ms_per_step": new["ms_per_step"], "tflop_s": achieved, "mfu": mfu,
+        "peak_gib": new["peak_gib"], "peak_bytes_per_token": new["peak_bytes_per_token"],
+        "loss_new": new["first_loss"], "loss_reference": ref, "loss_relative_gap": gap,
+        "loss_tolerance": LOSS_TOLERANCE, "loss_ok": gap <= LOSS_TOLERANCE,
+        "baseline_tok_s": None, "baseline_peak_gib": None, "speedup": None,
+    }
+    if args.no_baseline:
+        print(f"[{name}] naive baseline skipped (--no-baseline)", flush=True)
+        return result
+    try:
+        base = measure(config, device, batch, args.ttt_steps, args.steps, args.seed, attention="dense",
+                       loss="reference", keep_grad=True)
+    except torch.OutOfMemoryError as e:
+        free(device)
+        result["baseline_error"] = f"out of memory: {str(e).splitlines()[0]}"
+        print(f"[{name}] naive baseline: out of memory ({result['baseline_error']})", flush=True)
+        return result
+    diff = float((new["grad"] - base["grad"]).norm() / base["grad"].norm())
+    result.update(baseline_tok_s=base["tok_s"], baseline_peak_gib=base["peak_gib"],
+                  baseline_loss=base["first_loss"], speedup=new["tok_s"] / base["tok_s"],
+                  peak_ratio=base["peak_gib"] / new["peak_gib"], grad_relative_gap=diff,
+                  grad_tolerance=GRAD_TOLERANCE, grad_ok=diff <= GRAD_TOLERANCE)
+    print(f"[{name}] naive baseline (bf16, dense attention, per-step full logits): {base['ms_per_step']:.1f} ms/step, "
+          f"{base['tok_s']:.0f} tok/s, peak {base['peak_gib']:.2f} GiB; new / baseline: {result['speedup']:.2f}x "
+          f"tok/s, {result['peak_ratio']:.2f}x less memory; first-step gradient relative gap {diff:.2e} "
+          f"({'within' if diff <= GRAD_TOLERANCE else 'OUTSIDE'} {GRAD_TOLERANCE:g})", flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="smollm2-135m")
+    parser.add_argument("--preset", default="smollm2-135m", help=f"comma-separated: {', '.join(sorted(PRESETS))}")
     parser.add_argument("--target-config", help="a target's config.json instead of a preset")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--draft-vocab", type=int, default=32000)
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per batch (train.max_batch_tokens)")
-    parser.add_argument("--seq-len", type=int, default=1024, help="length of each packed sequence")
+    parser.add_argument("--tokens", default="4096", help="tokens per batch (train.max_batch_tokens), or one per preset")
+    parser.add_argument("--seq-len", default="1024", help="length of each packed sequence, or one per preset")
     parser.add_argument("--ttt-steps", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per precision, after one warm-up step")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per path, after one warm-up step")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the naive baseline (it needs far more memory)")
+    parser.add_argument("--json", help="write the results here")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = json.load(open(args.target_config)) if args.target_config else PRESETS[args.preset]
-    layers = target.get("num_hidden_layers", 8)
-    config = DraftConfig.from_target(target, draft_vocab_size=min(args.draft_vocab, target["vocab_size"]),
-                                     aux_layer_ids=[2, layers // 2, layers - 3])
+    names = [args.target_config] if args.target_config else args.preset.split(",")
+    for name in names:
+        if not args.target_config and name not in PRESETS:
+            raise SystemExit(f"--preset {name!r}: expected one of {', '.join(sorted(PRESETS))}")
+    tokens, seq_lens = listed(args.tokens, len(names)), listed(args.seq_len, len(names))
     device = torch.device(args.device)
-    batch = synthetic_batch(config, args.tokens, min(args.seq_len, args.tokens), device, args.seed)
-    print(f"draft of {args.target_config or args.preset}: hidden {config.hidden_size}, heads "
-          f"{config.num_attention_heads}x{config.head_dim}, intermediate {config.intermediate_size}, draft vocab "
-          f"{config.draft_vocab_size}; batch {batch.tokens} tokens, {args.ttt_steps} unroll steps; {device}"
-          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
+    where = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
+    peak = matmul_peak(device) if device.type == "cuda" else matmul_peak(device, n=512, repeats=2)
+    print(f"device {where}, torch {torch.__version__}; bf16 matmul peak {peak:.1f} TFLOP/s (8192^3 on CUDA, mean of "
+          "10 after warm-up)", flush=True)
     results = []
-    for precision in ("fp32", "bf16"):
-        r = measure(config, precision, device, batch, args.ttt_steps, args.steps, args.seed)
-        results.append(r)
-        print(f"{precision}: {r['ms_per_step']:.1f} ms/step, {r['tok_s']:.0f} tok/s, peak {r['peak_gib']:.1f} GiB, "
-              f"first-step loss {r['first_loss']:.5f}")
-    fp32, bf16 = results
-    print(f"bf16 / fp32: {bf16['tok_s'] / fp32['tok_s']:.2f}x tokens per second; first-step losses differ by "
-          f"{abs(bf16['first_loss'] - fp32['first_loss']) / abs(fp32['first_loss']):.2e} (relative)")
-    return results
+    for name, n, seq_len in zip(names, tokens, seq_lens):
+        target = json.load(open(name)) if args.target_config else PRESETS[name]
+        results.append(run_preset(name, target, n, seq_len, args, device, peak))
+    main_result = next((r for r in results if r["preset"] == "kimi-k2"), results[-1])
+    summary = {
+        "device": where, "torch": torch.__version__,
+        "command": "python -m eaglepipe.bench_train " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "matmul_peak_tflops": peak,
+        **{k: main_result[k] for k in ("mfu", "flop_per_token", "tok_s", "peak_gib", "peak_bytes_per_token",
+                                       "baseline_tok_s", "loss_new", "loss_reference")},
+        "presets": {r["preset"]: r for r in results},
+    }
+    for r in results:
+        if r["preset"] == "smollm2-135m":
+            summary["smollm2_peak_gib"] = r["peak_gib"]
+            summary["smollm2_tok_s"] = r["tok_s"]
+        if r["preset"] == "kimi-k2":
+            summary["kimi_peak_gib"] = r["peak_gib"]
+    if args.json:
+        from .formats import write_json
+
+        write_json(args.json, summary)
+        print(f"wrote {args.json}")
+    return summary
 
 
 if __name__ == "__main__":
