@@ -33,7 +33,7 @@ def accepted_lengths(model, shard: dict, embed: torch.Tensor, max_k: int, max_to
         starts = (idx + 2 + max_k <= batch.seq_end) & shifted(batch.loss_mask, 2, False)
         hits = []
         for j, out in enumerate(model.unroll(batch.aux, step_inputs(batch, max_k, embed), batch.positions,
-                                             batch.mask)):
+                                             batch.packing)):
             guess = model.to_target_ids(model.lm_head(out[0]).argmax(-1))
             hits.append(guess == shifted(batch.input_ids, 2 + j, -1))
         hits = torch.stack(hits, 1)[starts]  # [starts, max_k]
