@@ -46,28 +46,3 @@ def validate(config: dict, schema_path=SCHEMA) -> dict:
         raise ConfigError("invalid configuration (see config/README.md):\n  " + "\n  ".join(lines))
     return config
 
-
-def check_workflow(config: dict, schema_path=SCHEMA, *, embedded_target: str) -> dict:
-    """Every check the workflow makes on its configuration when it parses, in one place, before any job: the schema
-    (defaults filled in); once the target's config.json is there, the settings that must fit the target
-    (preflight.check_config; jobs check again); the chat template file; the system-prompt policy; the target's
-    facts and the aux layer ids. Raises ConfigError naming the key; returns the target's facts (estimate.py)."""
-    from . import estimate, preflight, reasoning, target
-
-    validate(config, schema_path)
-    path = config["target"]["path"] or embedded_target
-    if config["preflight"]["enabled"] and Path(path, "config.json").is_file():
-        try:
-            preflight.check_config(config, target.read_info(path))
-        except (ValueError, preflight.PreflightError) as err:
-            raise ConfigError(f"{err}\n(target {path})") from None
-    try:
-        if config["target"]["chat_template"] is not None:
-            reasoning.read_template(config["target"]["chat_template"])
-        reasoning.apply_system_policy([], config["prompts"]["system_policy"], config["prompts"]["system_prompt"])
-        facts = estimate.target_facts(config, embedded_target)
-        target.resolve_layer_ids(config["hidden_states"]["aux_layer_ids"],
-                                 target.TargetInfo(facts["num_layers"], 0, 0, 0, {}))
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    return facts

@@ -16,6 +16,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import estimate, reasoning
+from .config import SCHEMA, ConfigError, validate
 from .target import TargetInfo, _safetensors_files, read_info, resolve_layer_ids
 
 log = logging.getLogger(__name__)
@@ -224,3 +226,26 @@ def run_job(config: dict, target_dir, *, output_path, needed_bytes: int, stage_o
     check_gpus(gpus, allow_busy=settings["allow_busy_gpus"])
     check_disk(Path(output_path).parent, stage_bytes(needed_bytes, stage_outputs),
                reserve_bytes=int(settings["reserve_disk_gib"] * GIB), what=what)
+
+
+def check_workflow(config: dict, schema_path=SCHEMA, *, embedded_target: str) -> dict:
+    """Every check the workflow makes on its configuration when it parses, in one place, before any job: the schema
+    (defaults filled in); once the target's config.json is there, the settings that must fit the target
+    (check_config; jobs check again); the chat template file; the system-prompt policy; the target's
+    facts and the aux layer ids. Raises ConfigError naming the key; returns the target's facts (estimate.py)."""
+    validate(config, schema_path)
+    path = config["target"]["path"] or embedded_target
+    if config["preflight"]["enabled"] and Path(path, "config.json").is_file():
+        try:
+            check_config(config, read_info(path))
+        except (ValueError, PreflightError) as err:
+            raise ConfigError(f"{err}\n(target {path})") from None
+    try:
+        if config["target"]["chat_template"] is not None:
+            reasoning.read_template(config["target"]["chat_template"])
+        reasoning.apply_system_policy([], config["prompts"]["system_policy"], config["prompts"]["system_prompt"])
+        facts = estimate.target_facts(config, embedded_target)
+        resolve_layer_ids(config["hidden_states"]["aux_layer_ids"], TargetInfo(facts["num_layers"], 0, 0, 0, {}))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return facts

@@ -5,12 +5,13 @@ from snakemake.exceptions import WorkflowError
 
 import eaglepipe.config
 import eaglepipe.estimate
+import eaglepipe.preflight
 
 EMBEDDED_TARGET = "resources/targets/smollm2-135m"
 
-# The one check of the configuration (eaglepipe.config.check_workflow), before anything else reads it.
+# The one check of the configuration (eaglepipe.preflight.check_workflow), before anything else reads it.
 try:
-    TARGET_FACTS = eaglepipe.config.check_workflow(
+    TARGET_FACTS = eaglepipe.preflight.check_workflow(
         config, workflow.source_path("../config/schema.yaml"), embedded_target=EMBEDDED_TARGET
     )
 except eaglepipe.config.ConfigError as err:
