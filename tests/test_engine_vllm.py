@@ -48,8 +48,15 @@ def test_hidden_states_match_transformers_at_every_configured_layer(smollm2, pro
 
 def test_greedy_generations_agree_token_for_token(smollm2, prompt_ids):
     sampling = Sampling(max_new_tokens=32)
+    sampled = Sampling(max_new_tokens=16, temperature=1.0, seed=7)
     with open_engine(smollm2, VLLM) as eng:
         got = eng.generate(prompt_ids, sampling)
+        # sampled requests of one call get their own seeds (synthesis sends one prompt many times), reproducibly
+        same_prompt = [prompt_ids[0]] * 4
+        texts = [g.output_ids for g in eng.generate(same_prompt, sampled)]
+        again = [g.output_ids for g in eng.generate(same_prompt, sampled)]
+    assert len({tuple(t) for t in texts}) == len(texts), "identical prompts sampled identical texts"
+    assert texts == again, "the same seed sampled different texts"
     with open_engine(smollm2, HF) as eng:
         ref = eng.generate(prompt_ids, sampling)
     agree = sum(g.output_ids == r.output_ids for g, r in zip(got, ref))

@@ -107,8 +107,14 @@ class VllmEngine(Engine):
         from vllm.inputs import TokensPrompt
 
         llm = self._start(None)
-        params = SamplingParams(max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                                top_p=sampling.top_p, seed=sampling.seed, detokenize=False)
+
+        def params(i: int) -> SamplingParams:
+            # Sampled requests each get their own seed (seed + index in the call), so identical prompts give different
+            # texts; greedy ones keep the one seed (argmax ignores it).
+            seed = sampling.seed + i if sampling.temperature > 0 else sampling.seed
+            return SamplingParams(max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                                  top_p=sampling.top_p, seed=seed, detokenize=False)
+
         results = [Generation(prompt_ids=list(p)) for p in prompts]
         runnable = []
         for i, p in enumerate(prompts):
@@ -116,7 +122,8 @@ class VllmEngine(Engine):
                 results[i].error = f"prompt of {len(p)} tokens does not fit the engine's context {self.max_model_len}"
             else:
                 runnable.append(i)
-        outs = self._run(llm, [TokensPrompt(prompt_token_ids=list(prompts[i])) for i in runnable], params)
+        outs = self._run(llm, [TokensPrompt(prompt_token_ids=list(prompts[i])) for i in runnable],
+                         [params(i) for i in runnable])
         for i, out in zip(runnable, outs):
             if isinstance(out, Exception):
                 results[i].error = str(out)
@@ -131,15 +138,16 @@ class VllmEngine(Engine):
 
     @staticmethod
     def _run(llm, requests, params) -> list:
-        """Outputs in request order; a failing batch is retried item by item so one bad item fails alone."""
+        """Outputs in request order (params: one per request); a failing batch is retried item by item so one bad
+        item fails alone."""
         try:
             return llm.generate(requests, params, use_tqdm=False)
         except (ValueError, RuntimeError) as err:
             log.warning("batch of %d failed (%s); retrying items one by one", len(requests), err)
         outs = []
-        for request in requests:
+        for request, param in zip(requests, params):
             try:
-                outs += llm.generate([request], params, use_tqdm=False)
+                outs += llm.generate([request], param, use_tqdm=False)
             except (ValueError, RuntimeError) as err:
                 outs.append(err)
         return outs
