@@ -63,6 +63,19 @@ class Decoder:
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self._table = None
+        self.graphs = self.device.type == "cuda"  # CUDA graphs for the decode step (launch overhead dominates it)
+
+    def rope(self, positions: torch.Tensor):
+        """(cos, sin) [B, T, d] at positions [B, T], from a table the model's own rotary embedding computed once."""
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        need = 1 if capturing or not positions.numel() else int(positions.max()) + 1  # no host sync in a graph
+        if self._table is None or self._table[0].shape[0] < need:
+            size = max(need, 4096)
+            probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+            cos, sin = self.rotary(probe, torch.arange(size, device=self.device)[None])
+            self._table = (cos[0], sin[0])
+        return self._table[0][positions], self._table[1][positions]
 
     def _qkv(self, attn, h, cos, sin):
         b, t, _ = h.shape
@@ -78,15 +91,19 @@ class Decoder:
         are stacked along the query axis, so the cache is read as it is, never repeated per query head."""
         b, heads, t, d = q.shape
         groups = heads // self.kv_heads
-        if mask is not None and groups > 1:
+        if mask is not None and groups > 1:  # mask [B, 1, groups * t, S]: grouped_mask() made it
             q = q.reshape(b, self.kv_heads, groups * t, d)  # head kv * groups + g: rows g-major, as repeat_kv orders
-            if mask.shape[-2] != 1:
-                mask = mask.repeat(1, 1, groups, 1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale).view(b, heads, t, d)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
                                                  enable_gqa=groups > 1)
         return out.transpose(1, 2).reshape(b, t, -1)
+
+    def grouped_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """mask [B, 1, t, S] -> [B, 1, groups * t, S], the rows of _attend's grouped queries (materialised, not a
+        broadcast along the query axis)."""
+        groups = self.heads // self.kv_heads
+        return mask.repeat(1, 1, groups, 1) if groups > 1 else mask
 
     def _layer(self, layer, h, attend):
         x = layer.input_layernorm(h)
@@ -99,12 +116,16 @@ class Decoder:
         """ids [B, T] right padded -> (aux [B, T, n, H] inputs of layers layer_ids, final [B, T, H] after the norm)."""
         positions = torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
         h = self.embed(ids)
-        cos, sin = self.rotary(h, positions)
+        cos, sin = self.rope(positions)
         wanted = {k: i for i, k in enumerate(layer_ids)}
         aux = [None] * len(layer_ids)
 
+        groups = self.heads // self.kv_heads
+
         def attend(attn, x):
             q, k, v = self._qkv(attn, x, cos, sin)
+            if groups > 1:  # as repeat_kv does: the fused causal kernels then run (not all take grouped heads)
+                k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
             return self._attend(q, k, v, causal=True)
 
         for n, layer in enumerate(self.layers):
@@ -133,8 +154,9 @@ class Decoder:
         ids, valid = ids.to(device), valid.to(device)
         positions = (valid[:, :width].long().cumsum(1) - 1).clamp(min=0)
         size = width + max_new_tokens
-        caches = [(torch.empty(rows, self.kv_heads, size, self.head_dim, device=device, dtype=self.dtype),
-                   torch.empty(rows, self.kv_heads, size, self.head_dim, device=device, dtype=self.dtype))
+        # Zeros, not empty: columns not yet written are masked, and a masked NaN would still poison a product.
+        caches = [(torch.zeros(rows, self.kv_heads, size, self.head_dim, device=device, dtype=self.dtype),
+                   torch.zeros(rows, self.kv_heads, size, self.head_dim, device=device, dtype=self.dtype))
                   for _ in self.layers]
         generator = torch.Generator(device).manual_seed(seed) if temperature > 0 else None
         eos = torch.tensor(eos_ids, device=device)
@@ -149,13 +171,14 @@ class Decoder:
             b = min(a + group, rows)
             mask = (causal[None] & valid[a:b, None, :width]) | eye[None]
             logits.append(self._forward(ids[a:b], positions[a:b], [(k[a:b], v[a:b]) for k, v in caches], 0,
-                                        mask[:, None], last_only=True))
+                                        mask[:, None]))
         logits = torch.cat(logits)
         out = torch.empty(rows, max_new_tokens, dtype=torch.long, device=device)
         alive = torch.arange(rows, device=device)  # original row of each batch row
         ended = torch.zeros(rows, dtype=torch.bool, device=device)
         lengths = torch.full((rows,), max_new_tokens, dtype=torch.long, device=device)
         next_pos = positions[:, -1] + 1
+        step_fn = None
         for step in range(max_new_tokens):
             token = self._pick(logits, temperature, top_p, generator)
             out[alive, step] = token
@@ -174,31 +197,37 @@ class Decoder:
                     alive, token, next_pos = alive[keep], token[keep], next_pos[keep]
                     valid = valid[keep]
                     caches = [(k[keep], v[keep]) for k, v in caches]
+                    step_fn = None
             slot = width + step
             valid[:, slot] = True
-            logits = self._forward(token[:, None], next_pos[:, None], caches, slot,
-                                   valid[:, None, None, : slot + 1], last_only=True)
+            if step_fn is None:  # one decode step over the whole cache width, captured as a CUDA graph on a GPU
+                step_fn = _DecodeStep(self, caches, valid)
+            logits = step_fn(token, next_pos, slot, valid)
             next_pos = next_pos + 1
         out, lengths, hits = out.cpu(), lengths.cpu(), ended.cpu()
         return [(out[r, : int(lengths[r])].tolist(), "stop" if bool(hits[r]) else "length") for r in range(rows)]
 
-    def _forward(self, ids, positions, caches, slot: int, mask, last_only: bool):
-        """Run ids [B, t] at cache columns slot..slot+t-1; attention over columns 0..slot+t-1 under mask."""
+    def _forward(self, ids, positions, caches, slot, mask):
+        """Run ids [B, t] at cache columns slot..slot+t-1 (slot an int, or a one-element tensor for a single column);
+        attention over the cache's first mask.shape[-1] columns under mask; logits at the last position."""
         h = self.embed(ids)
-        cos, sin = self.rotary(h, positions)
-        end = slot + ids.shape[1]
+        cos, sin = self.rope(positions)
+        width = mask.shape[-1]
+        mask = self.grouped_mask(mask)
 
         for layer, (k_cache, v_cache) in zip(self.layers, caches):
             def attend(attn, x, k_cache=k_cache, v_cache=v_cache):
                 q, k, v = self._qkv(attn, x, cos, sin)
-                k_cache[:, :, slot:end] = k
-                v_cache[:, :, slot:end] = v
-                return self._attend(q, k_cache[:, :, :end], v_cache[:, :, :end], mask=mask)
+                if isinstance(slot, torch.Tensor):
+                    k_cache.index_copy_(2, slot, k)
+                    v_cache.index_copy_(2, slot, v)
+                else:
+                    k_cache[:, :, slot: slot + k.shape[2]] = k
+                    v_cache[:, :, slot: slot + k.shape[2]] = v
+                return self._attend(q, k_cache[:, :, :width], v_cache[:, :, :width], mask=mask)
 
             h = self._layer(layer, h, attend)
-        if last_only:
-            h = h[:, -1]
-        return self.lm_head(self.norm(h)).float()
+        return self.lm_head(self.norm(h[:, -1])).float()
 
     @staticmethod
     def _pick(logits, temperature: float, top_p: float, generator) -> torch.Tensor:
@@ -212,6 +241,46 @@ class Decoder:
             choice = torch.multinomial(sorted_probs, 1, generator=generator).squeeze(1)
             return order.gather(1, choice[:, None]).squeeze(1)
         return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+class _DecodeStep:
+    """One decode step of a fixed batch over the full cache width, from static input buffers; on CUDA replayed as a
+    graph (one launch instead of hundreds), eager elsewhere. Rebuilt when the batch is compacted."""
+
+    def __init__(self, decoder: Decoder, caches, valid: torch.Tensor):
+        rows, size = valid.shape
+        device = decoder.device
+        self.token = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.slot = torch.full((1,), size - 1, dtype=torch.long, device=device)
+        self.mask = torch.zeros(rows, 1, 1, size, dtype=torch.bool, device=device)
+        decoder.rope(torch.tensor([[size]], device=device))  # the rope table must not grow inside the graph
+        self.run = lambda: decoder._forward(self.token, self.pos, caches, self.slot, self.mask)
+        self.graph = None
+        if decoder.graphs:
+            # Warm-up writes column size - 1 (not yet reached, so masked until it is overwritten) under the real
+            # mask with that column open, so every value it leaves is finite.
+            self.mask.copy_(valid[:, None, None, :])
+            self.mask[..., -1] = True
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.run()
+            torch.cuda.current_stream(device).wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self.run()
+
+    def __call__(self, token, pos, slot: int, valid) -> torch.Tensor:
+        self.token.copy_(token[:, None])
+        self.pos.copy_(pos[:, None])
+        self.slot.fill_(slot)
+        self.mask.copy_(valid[:, None, None, :])
+        if self.graph is None:
+            return self.run()
+        self.graph.replay()
+        return self.logits
 
 
 def rows_that_fit(decoder: Decoder, cap: int, share: float = 0.6):

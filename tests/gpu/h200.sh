@@ -1,0 +1,83 @@
+# The one-H200 runs behind README "Fast on one GPU" and "A draft worth serving", one stage per device call (a call
+# runs at most 10 minutes; the machine keeps /root and /tmp between calls while it is warm).
+#   bash tests/gpu/h200.sh setup-a   # carry .whl and .gguf/a: wheels the machine lacks, first half of the GGUF
+#   bash tests/gpu/h200.sh setup-b   # carry .gguf/b: second half; the embedded target converted as the target rule does
+#   bash tests/gpu/h200.sh bench     # generation and extraction (SmolLM2 and an 8B-shaped Llama) benchmarks
+#   bash tests/gpu/h200.sh bench-train  # draft training benchmark (Kimi-K2- and SmolLM2-shaped drafts)
+#   bash tests/gpu/h200.sh quality [TARGET...]   # the h200-quality workflow up to TARGET (default: the acceptance)
+#   bash tests/gpu/h200.sh scaling   # tau against training tokens on the finished workflow
+# Figures land in $OUT (the device tool brings them back) and in docs/measured/ once committed.
+set -u
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+OUT=${OUT:-/tmp/out}
+W=/root/w
+T=$W/resources/targets/smollm2-135m
+mkdir -p $OUT
+stage=${1:-}
+shift || true
+case "$stage" in
+setup-a)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        2>&1 | tail -2
+    cp .gguf/a/* /root/ && ls -la /root/gguf.part.aa
+    python3 -c "import snakemake, gguf, torch; print('snakemake', snakemake.__version__, 'torch', torch.__version__,
+        torch.cuda.get_device_name(0))"
+    ;;
+setup-b)
+    mkdir -p /root/gguf && cat /root/gguf.part.aa .gguf/b/gguf.part.ab > /root/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+    sha256sum /root/gguf/SmolLM2-135M-Instruct.Q4_1.gguf | cut -c1-16
+    python3 - <<'PY'
+import shutil, sys
+from pathlib import Path
+from eaglepipe.target import convert_gguf, EMBEDDED_GGUF
+out = Path("/root/w/resources/targets/smollm2-135m")
+out.parent.mkdir(parents=True, exist_ok=True)
+convert_gguf(Path("/root/gguf/SmolLM2-135M-Instruct.Q4_1.gguf"), out)
+print(sorted(p.name for p in out.iterdir()))
+PY
+    ;;
+bench)
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    python3 -m eaglepipe.bench_generation --target $T --device cuda --dtype bfloat16 --max-new-tokens 256 \
+        --repeat 4 --baseline-prompts 256 --json $OUT/gpu-generation.json 2>&1 | grep -v "Loading weights"
+    python3 -m eaglepipe.bench_extraction --target $T --device cuda --tokens 4000000 --baseline-tokens 1000000 \
+        --out /root/bench-out --json $OUT/gpu-extraction-smollm2.json 2>&1 | grep -v "Loading weights"
+    python3 -m eaglepipe.bench_extraction --preset llama-8b --device cuda --tokens 1000000 --baseline-tokens 250000 \
+        --shard-tokens 250000 --chunk-tokens 32768 --out /root/bench-out --max-batch-tokens 32768 --json $OUT/gpu-extraction-llama8b.json \
+        2>&1 | grep -v "Loading weights"
+    ;;
+bench-train)
+    python3 -m eaglepipe.bench_train --preset kimi-k2 --device cuda --tokens 4096 --seq-len 2048 --ttt-steps 7 \
+        --steps 3 --json $OUT/gpu-training-kimi.json 2>&1 | tail -25
+    python3 -m eaglepipe.bench_train --preset smollm2-135m --device cuda --draft-vocab 32000 --tokens 16384 \
+        --seq-len 512 --ttt-steps 7 --steps 5 --no-baseline --json $OUT/gpu-training-smollm2.json 2>&1 | tail -25
+    ;;
+quality)
+    cat > /root/gpu.yaml <<Y
+target: {path: $T}
+Y
+    mkdir -p $W
+    C="--configfile $PWD/config/config.yaml $PWD/config/examples/h200-quality.yaml /root/gpu.yaml"
+    start=$(date +%s)
+    python3 -m snakemake -s $PWD/Snakefile -d $W --cores 16 --resources gpu=1 --scheduler greedy --rerun-incomplete \
+        ${@:-results/eval/acceptance.json} $C > $OUT/quality-snakemake.log 2>&1
+    rc=$?
+    echo "snakemake rc=$rc in $(( $(date +%s) - start )) s"
+    grep -h "Error\|error:" -A12 $OUT/quality-snakemake.log | head -40
+    for f in $W/logs/*.log $W/logs/*/*/*.log; do [ -f $f ] && { echo "== $f"; tail -3 $f; }; done 2>/dev/null | cut -c1-300
+    cat $W/benchmarks/*.tsv $W/benchmarks/*/*/*.tsv 2>/dev/null | awk 'NR==1 || !/^s/' | cut -f1 | paste -sd' '
+    for f in results/prompts/synthesized.json results/traces/stats.json results/eval/acceptance.json; do
+        [ -f $W/$f ] && { echo "== $f"; cat $W/$f; cp $W/$f $OUT/; }
+    done
+    [ -f $W/results/draft/model.safetensors ] && tar -C $W/results -czf $OUT/draft.tgz draft vocab/coverage.json
+    ;;
+scaling)
+    C="$PWD/config/config.yaml $PWD/config/examples/h200-quality.yaml /root/gpu.yaml"
+    python3 -m eaglepipe.scaling --directory $W --configfile $C --json $OUT/scaling.json --plot $OUT/scaling.png \
+        ${@} 2>&1 | grep -v "Loading weights" | grep "tau\|shards\|Error\|error" | tail -20
+    ;;
+*)
+    echo "usage: bash tests/gpu/h200.sh setup-a|setup-b|bench|quality|scaling" >&2
+    exit 2
+    ;;
+esac
