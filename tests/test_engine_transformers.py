@@ -33,3 +33,33 @@ def test_batched_capture_and_generation_equal_one_by_one(tiny_target):
         assert g.output_ids == a.output_ids
         assert g.finish_reason in ("stop", "length") and not g.error
         assert len(g.output_ids) == 6 or g.output_ids[-1] == 2
+
+
+def test_failed_batch_retries_items_alone_but_fails_fast_on_a_shared_cause(tiny_target):
+    """One bad item costs only itself; a batch whose items all fail alone too is failed at once, naming the cause,
+    instead of retrying every item (hours on a large batch)."""
+    seqs = [[1, 5, 9], [1, 666], [1, 8, 8, 8], [1, 2, 3], [1, 4]]
+    with open_engine(tiny_target, EngineSettings(batch_size=8)) as eng:
+        real = eng._generate_batch
+        calls = []
+
+        def bad_item(prompts, sampling, seed):
+            calls.append(len(prompts))
+            if [1, 666] in prompts:
+                raise RuntimeError("item 666 is bad")
+            return real(prompts, sampling, seed)
+
+        eng._generate_batch = bad_item
+        gens = eng.generate(seqs, Sampling(max_new_tokens=3))
+        assert [bool(g.error) for g in gens] == [False, True, False, False, False]
+        assert calls == [5, 1, 1, 1, 1, 1]
+
+        def shared_cause(prompts, sampling, seed):
+            calls.append(len(prompts))
+            raise RuntimeError("CUDA error: out of memory")
+
+        calls.clear()
+        eng._generate_batch = shared_cause
+        gens = eng.generate(seqs, Sampling(max_new_tokens=3))
+        assert all("out of memory" in g.error for g in gens)
+        assert calls == [5, 1, 1]  # the batch, then two items alone: a shared cause, so the rest fail at once

@@ -13,6 +13,8 @@ from .base import Capture, Engine, EngineSettings, Generation, Sampling
 
 log = logging.getLogger(__name__)
 
+RETRY_PROBE = 2  # items retried alone after a batch fails before a shared cause is assumed
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -106,11 +108,19 @@ class TransformersEngine(Engine):
             except (RuntimeError, ValueError) as err:  # one bad item must not sink its batch: retry one by one
                 log.warning("batch of %d failed (%s); retrying items one by one", len(batch), err)
                 outs = []
-                for i in batch:
+                for n, i in enumerate(batch):
                     try:
                         outs += self._generate_batch([prompts[i]], sampling, seed=sampling.seed + i)
                     except (RuntimeError, ValueError) as item_err:
                         outs.append(Generation(prompt_ids=list(prompts[i]), error=str(item_err)))
+                        if n == RETRY_PROBE - 1 and all(o.error for o in outs):
+                            # Not one bad item: every item fails alone too. Fail the rest at once with the reason
+                            # rather than spend the batch's time on retries that fail the same way.
+                            log.error("the first %d items of the batch failed alone too (%s); failing the batch",
+                                      RETRY_PROBE, item_err)
+                            outs += [Generation(prompt_ids=list(prompts[j]), error=f"batch failed: {err}")
+                                     for j in batch[n + 1:]]
+                            break
             for i, out in zip(batch, outs):
                 results[i] = out
         return results
