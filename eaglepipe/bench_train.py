@@ -38,6 +38,7 @@ import torch
 
 from .batches import collate, targets
 from .draft import DraftConfig
+from .limits import matmul_peak_tflops
 from .train import Objective, autocast, init_draft, optimizer
 
 # Shapes of targets this pipeline is built for (config.json keys the draft reads).
@@ -95,22 +96,6 @@ def flops(config: DraftConfig, batch, steps: int) -> dict:
     }
     return {"params_layer": layer, "params_fc": fc, "params_head": head, "terms": terms,
             "per_token": sum(terms.values()) / t}
-
-
-def matmul_peak(device: torch.device, n: int = 8192, repeats: int = 10) -> float:
-    """bf16 matmul TFLOP/s: n x n x n products, mean over `repeats` after warm-up."""
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    sync(device)
-    seconds = (time.perf_counter() - start) / repeats
-    del a, b
-    return 2 * n ** 3 / seconds / 1e12
 
 
 def build(config, device, seed, attention):
@@ -280,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokens, seq_lens = listed(args.tokens, len(names)), listed(args.seq_len, len(names))
     device = torch.device(args.device)
     where = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
-    peak = matmul_peak(device) if device.type == "cuda" else matmul_peak(device, n=512, repeats=2)
+    peak = matmul_peak_tflops(device)
     print(f"device {where}, torch {torch.__version__}; bf16 matmul peak {peak:.1f} TFLOP/s (8192^3 on CUDA, mean of "
           "10 after warm-up)", flush=True)
     results = []
