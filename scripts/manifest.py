@@ -1,10 +1,3 @@
-from eaglepipe import hidden_states, logs
+from eaglepipe import jobs
 
-logs.to_file(snakemake.log[0])
-hidden_states.manifest(
-    snakemake.params.shards,
-    {"train": list(snakemake.input.train), "eval": list(snakemake.input.eval)},
-    snakemake.output.manifest,
-    target_dir=snakemake.input.target,
-    engine=snakemake.params.engine,
-)
+jobs.manifest(snakemake)

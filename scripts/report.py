@@ -1,4 +1,3 @@
-from eaglepipe import logs, report
+from eaglepipe import jobs
 
-logs.to_file(snakemake.log[0])
-report.summary(target=snakemake.params.target, output_path=snakemake.output.summary, **dict(snakemake.input.items()))
+jobs.report(snakemake)

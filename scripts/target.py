@@ -1,4 +1,3 @@
-from eaglepipe import logs, target
+from eaglepipe import jobs
 
-logs.to_file(snakemake.log[0])
-target.fetch_embedded(snakemake.output.target)
+jobs.target(snakemake)

@@ -1,4 +1,3 @@
-from eaglepipe import logs, traces
+from eaglepipe import jobs
 
-logs.to_file(snakemake.log[0])
-traces.stats(list(snakemake.input.shards), snakemake.output.stats)
+jobs.trace_stats(snakemake)
