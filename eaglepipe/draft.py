@@ -112,7 +112,7 @@ class RMSNorm(nn.Module):
 # first unroll step with the document-causal structure (flex_attention with a block mask on CUDA, so no T x T score
 # matrix is kept; dense scores on other devices) and merges the diagonal entries of later steps through the
 # log-sum-exp of the context part; "dense" is the original formulation, one [T, T + steps] score matrix per step,
-# kept as the reference and as the naive baseline of eaglepipe.bench_train.
+# kept as the reference and as the naive baseline of eaglepipe.tools.bench_train.
 ATTENTION = ("merged", "dense")
 FLEX_BLOCK = 128  # flex_attention's block size; packed rows are padded to a multiple of it (or of FLEX_BUCKET)
 FLEX_BUCKET = 1024  # longer rows are padded to a multiple of this, so few distinct shapes are compiled

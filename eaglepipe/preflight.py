@@ -16,9 +16,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import estimate, reasoning
+from . import reasoning
 from .config import SCHEMA, ConfigError, validate
 from .target import TargetInfo, _safetensors_files, read_info, resolve_layer_ids
+from .tools import estimate
 
 log = logging.getLogger(__name__)
 

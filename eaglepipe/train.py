@@ -101,7 +101,7 @@ class Objective(torch.nn.Module):
     """The weighted unroll loss of one rank's part of a global batch; a module so that DDP can wrap it.
     loss="chunked": logits of every unroll step's loss rows in one chunked soft cross-entropy after the unroll (needs
     a batch collated with t2d and steps); "reference": per step full logits and log_softmax held for the backward,
-    the original path (the naive baseline of eaglepipe.bench_train)."""
+    the original path (the naive baseline of eaglepipe.tools.bench_train)."""
 
     def __init__(self, model: Eagle3Draft, loss: str = "chunked"):
         super().__init__()

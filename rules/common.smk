@@ -4,7 +4,7 @@ import sys
 from snakemake.exceptions import WorkflowError
 
 import eaglepipe.config
-import eaglepipe.estimate
+import eaglepipe.tools.estimate
 import eaglepipe.preflight
 
 EMBEDDED_TARGET = "resources/targets/smollm2-135m"
@@ -74,7 +74,7 @@ def prompt_sources():
 # `snakemake --quiet` leaves it out.
 if workflow.is_main_process and not getattr(workflow.output_settings, "quiet", None):
     try:
-        print(eaglepipe.estimate.format_plan(eaglepipe.estimate.plan(config)), file=sys.stderr)
+        print(eaglepipe.tools.estimate.format_plan(eaglepipe.tools.estimate.plan(config)), file=sys.stderr)
     except ValueError as err:
         raise WorkflowError(str(err)) from None
 

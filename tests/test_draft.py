@@ -99,9 +99,9 @@ def test_tau_and_per_position_from_accepted_lengths():
 
 
 def test_training_benchmark_reports_new_path_reference_and_baseline(tmp_path):
-    """python -m eaglepipe.bench_train at a tiny shape: the new path's first-step loss agrees with the float32
+    """python -m eaglepipe.tools.bench_train at a tiny shape: the new path's first-step loss agrees with the float32
     reference, its first-step gradient with the naive baseline's, and the JSON carries the figures the README cites."""
-    from eaglepipe import bench_train
+    from eaglepipe.tools import bench_train
 
     out = tmp_path / "bench.json"
     summary = bench_train.main(["--preset", "tiny", "--device", "cpu", "--tokens", "128", "--seq-len", "32",

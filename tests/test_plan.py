@@ -2,7 +2,7 @@
 
 import pytest
 
-from eaglepipe import plan
+from eaglepipe.tools import plan
 from conftest import REPO
 
 

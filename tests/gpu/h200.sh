@@ -38,18 +38,18 @@ PY
     ;;
 bench)
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-    python3 -m eaglepipe.bench_generation --target $T --device cuda --dtype bfloat16 --max-new-tokens 256 \
+    python3 -m eaglepipe.tools.bench_generation --target $T --device cuda --dtype bfloat16 --max-new-tokens 256 \
         --repeat 4 --baseline-prompts 256 --json $OUT/gpu-generation.json 2>&1 | grep -v "Loading weights"
-    python3 -m eaglepipe.bench_extraction --target $T --device cuda --tokens 4000000 --baseline-tokens 1000000 \
+    python3 -m eaglepipe.tools.bench_extraction --target $T --device cuda --tokens 4000000 --baseline-tokens 1000000 \
         --out /root/bench-out --json $OUT/gpu-extraction-smollm2.json 2>&1 | grep -v "Loading weights"
-    python3 -m eaglepipe.bench_extraction --preset llama-8b --device cuda --tokens 1000000 --baseline-tokens 250000 \
+    python3 -m eaglepipe.tools.bench_extraction --preset llama-8b --device cuda --tokens 1000000 --baseline-tokens 250000 \
         --shard-tokens 250000 --chunk-tokens 32768 --out /root/bench-out --max-batch-tokens 32768 --json $OUT/gpu-extraction-llama8b.json \
         2>&1 | grep -v "Loading weights"
     ;;
 bench-train)
-    python3 -m eaglepipe.bench_train --preset kimi-k2 --device cuda --tokens 4096 --seq-len 2048 --ttt-steps 7 \
+    python3 -m eaglepipe.tools.bench_train --preset kimi-k2 --device cuda --tokens 4096 --seq-len 2048 --ttt-steps 7 \
         --steps 3 --json $OUT/gpu-training-kimi.json 2>&1 | tail -25
-    python3 -m eaglepipe.bench_train --preset smollm2-135m --device cuda --draft-vocab 32000 --tokens 16384 \
+    python3 -m eaglepipe.tools.bench_train --preset smollm2-135m --device cuda --draft-vocab 32000 --tokens 16384 \
         --seq-len 512 --ttt-steps 7 --steps 5 --no-baseline --json $OUT/gpu-training-smollm2.json 2>&1 | tail -25
     ;;
 quality)
@@ -73,7 +73,7 @@ Y
     ;;
 scaling)
     C="$PWD/config/config.yaml $PWD/config/examples/h200-quality.yaml /root/gpu.yaml"
-    python3 -m eaglepipe.scaling --directory $W --configfile $C --json $OUT/scaling.json --plot $OUT/scaling.png \
+    python3 -m eaglepipe.tools.scaling --directory $W --configfile $C --json $OUT/scaling.json --plot $OUT/scaling.png \
         ${@} 2>&1 | grep -v "Loading weights" | grep "tau\|shards\|Error\|error" | tail -20
     ;;
 *)

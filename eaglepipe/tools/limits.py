@@ -57,11 +57,13 @@ def describe(device: torch.device) -> str:
 
 
 def commit() -> str:
-    """The repository's commit, when run from a checkout (the device machine gets a copy without .git: 'unknown')."""
+    """EAGLEPIPE_COMMIT when set (a device copy's .git can be stale), else the checkout's HEAD, else 'unknown'."""
     import subprocess
 
+    if os.environ.get("EAGLEPIPE_COMMIT"):
+        return os.environ["EAGLEPIPE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=Path(__file__).parent).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("EAGLEPIPE_COMMIT", "unknown")
+        return "unknown"

@@ -1,8 +1,8 @@
 """Hidden-state extraction written to shards: the fast path against today's naive path, with the machine's limits.
 
-    python -m eaglepipe.bench_extraction --target resources/targets/smollm2-135m --device cuda --tokens 2000000 \
+    python -m eaglepipe.tools.bench_extraction --target resources/targets/smollm2-135m --device cuda --tokens 2000000 \
         --json docs/measured/gpu-extraction.json
-    python -m eaglepipe.bench_extraction --preset llama-8b --device cuda --tokens 400000 --json ...
+    python -m eaglepipe.tools.bench_extraction --preset llama-8b --device cuda --tokens 400000 --json ...
 
 Sequence lengths are drawn from a trace shard (--lengths-from results/traces/train/shard-0.parquet: prompt + output
 tokens of each row) or, without one, from the embedded default's measured distribution (a fixed seeded draw), up to
@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from .engines.base import EngineSettings
-from .formats import write_hidden_shard
+from ..engines.base import EngineSettings
+from ..formats import write_hidden_shard
+from ..shard_writer import StreamingShard
 from .limits import commit, describe, disk_write_gb_s, matmul_peak_tflops, sync
-from .shard_writer import StreamingShard
 
 PRESETS = {
     "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -74,7 +74,7 @@ def load_model(target, preset, device, dtype):
 
 def engine_on(model, device: str, dtype: str, fast: bool, max_batch_tokens: int):
     """A TransformersEngine around an already built model (presets have no checkpoint folder to load)."""
-    from .engines.transformers import TransformersEngine
+    from ..engines.transformers import TransformersEngine
 
     engine = TransformersEngine.__new__(TransformersEngine)
     engine.setup(model, None, EngineSettings(name="transformers", device=device, dtype=dtype, threads=0,
@@ -174,7 +174,7 @@ def main(argv=None) -> dict:
     shutil.rmtree(out / "fast", ignore_errors=True)
     result = {
         "device": describe(device), "commit": commit(),
-        "command": "python -m eaglepipe.bench_extraction " + " ".join(argv or sys.argv[1:]),
+        "command": "python -m eaglepipe.tools.bench_extraction " + " ".join(argv or sys.argv[1:]),
         "target": args.preset or str(args.target), "tokens": tokens, "sequences": len(seqs), "layer_ids": layer_ids,
         "fast_tok_s": tokens / fast_s, "matmul_peak_tflops": peak, "disk_write_gb_s": disk,
         "bytes_per_token": bytes_per_token, "compute_limit_tok_s": compute_limit, "disk_limit_tok_s": disk_limit,

@@ -1,6 +1,7 @@
 """Data scaling: offline tau against training tokens, by training the same recipe on 1, 2, 4, ... of the train shards.
 
-    python -m eaglepipe.scaling --directory /path/to/workdir --configfile config/config.yaml config/examples/h200-quality.yaml \
+    python -m eaglepipe.tools.scaling --directory /path/to/workdir \
+        --configfile config/config.yaml config/examples/h200-quality.yaml \
         --json docs/measured/scaling.json --plot docs/measured/scaling.png
 
 Run it in a finished workflow's directory: it reads the hidden-state shards, the vocab map and the manifest there, and
@@ -24,8 +25,8 @@ from pathlib import Path
 
 import yaml
 
-from . import config as eaglepipe_config
-from . import evaluate, train
+from .. import config as eaglepipe_config
+from .. import evaluate, train
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def main(argv=None) -> dict:
         shutil.rmtree(out, ignore_errors=True)
     full = json.loads((work / "results/eval/acceptance.json").read_text())
     points.append(point(manifest, train_paths, full, None))
-    result = {"command": "python -m eaglepipe.scaling " + " ".join(argv or sys.argv[1:]), "train": cfg["train"],
+    result = {"command": "python -m eaglepipe.tools.scaling " + " ".join(argv or sys.argv[1:]), "train": cfg["train"],
               "points": points}
     for p in points:
         print(f"{p['shards']:3d} shards  {p['conversations']:7,d} conversations  {p['train_tokens']:11,d} tokens  "

@@ -1,6 +1,6 @@
 """Draft training speed and memory on one device, against the naive path and the float32 reference, in one run.
 
-    python -m eaglepipe.bench_train --preset smollm2-135m,kimi-k2 --tokens 16384,4096 --seq-len 1024,2048 \
+    python -m eaglepipe.tools.bench_train --preset smollm2-135m,kimi-k2 --tokens 16384,4096 --seq-len 1024,2048 \
         --device cuda --json gpu-training.json
 
 A draft of each preset target's shape (or of `--target-config config.json`) takes training steps on one packed batch
@@ -36,10 +36,10 @@ import time
 
 import torch
 
-from .batches import collate, targets
-from .draft import DraftConfig
+from ..batches import collate, targets
+from ..draft import DraftConfig
+from ..train import Objective, autocast, init_draft, optimizer
 from .limits import matmul_peak_tflops
-from .train import Objective, autocast, init_draft, optimizer
 
 # Shapes of targets this pipeline is built for (config.json keys the draft reads).
 PRESETS = {
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
     main_result = next((r for r in results if r["preset"] == "kimi-k2"), results[-1])
     summary = {
         "device": where, "torch": torch.__version__,
-        "command": "python -m eaglepipe.bench_train " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m eaglepipe.tools.bench_train " + " ".join(argv if argv is not None else sys.argv[1:]),
         "matmul_peak_tflops": peak,
         **{k: main_result[k] for k in ("mfu", "flop_per_token", "tok_s", "peak_gib", "peak_bytes_per_token",
                                        "baseline_tok_s", "loss_new", "loss_reference")},
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
         if r["preset"] == "kimi-k2":
             summary["kimi_peak_gib"] = r["peak_gib"]
     if args.json:
-        from .formats import write_json
+        from ..formats import write_json
 
         write_json(args.json, summary)
         print(f"wrote {args.json}")

@@ -1,6 +1,6 @@
 """Throughput of the two engines on the same work, measured in one run.
 
-    python -m eaglepipe.bench_engines --target resources/targets/smollm2-135m --prompts 64 --max-new-tokens 64
+    python -m eaglepipe.tools.bench_engines --target resources/targets/smollm2-135m --prompts 64 --max-new-tokens 64
 
 Generation: the shipped prompts, greedy, tokens generated per second. Capture: the prompts plus their generations
 (the same sequences for both engines), tokens captured per second. Engine start is excluded and printed apart.
@@ -13,11 +13,11 @@ import argparse
 import json
 import time
 
-from .chat import load_tokenizer, render_chat
-from .engines import open_engine
-from .engines.base import EngineSettings, Sampling
-from .prompts import default_source
-from .target import read_info
+from ..chat import load_tokenizer, render_chat
+from ..engines import open_engine
+from ..engines.base import EngineSettings, Sampling
+from ..prompts import default_source
+from ..target import read_info
 
 
 def measure(target, settings: EngineSettings, prompts, sampling, layer_ids, sequences=None):

@@ -1,6 +1,6 @@
 """Generation speed of the transformers engine: its fast path against `model.generate` (the naive baseline).
 
-    python -m eaglepipe.bench_generation --target resources/targets/smollm2-135m --device cuda --dtype bfloat16 \
+    python -m eaglepipe.tools.bench_generation --target resources/targets/smollm2-135m --device cuda --dtype bfloat16 \
         --max-new-tokens 256 --json docs/measured/gpu-generation.json
 
 The shipped prompts (eaglepipe/data/prompts.jsonl), rendered in the target's chat template, greedy. The fast path
@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from .chat import load_tokenizer, render_chat
-from .engines import open_engine
-from .engines.base import EngineSettings, Sampling
+from ..chat import load_tokenizer, render_chat
+from ..engines import open_engine
+from ..engines.base import EngineSettings, Sampling
+from ..prompts import default_source
 from .limits import commit, describe, matmul_peak_tflops, sync
-from .prompts import default_source
 
 
 def timed_generate(target, settings: EngineSettings, prompts, sampling):
@@ -86,7 +86,8 @@ def main(argv=None) -> dict:
     same = [first_difference(f.output_ids, b.output_ids) for f, b in zip(fast, base)]
     equal = sum(d is None for d in same)
     result = {
-        "device": describe(device), "command": "python -m eaglepipe.bench_generation " + " ".join(argv or sys.argv[1:]),
+        "device": describe(device),
+        "command": "python -m eaglepipe.tools.bench_generation " + " ".join(argv or sys.argv[1:]),
         "commit": commit(), "dtype": args.dtype, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
         "generated_tokens": fast_tok, "generated_tok_s": fast_tok / fast_s,
         "naive_tok_s": base_tok / base_s, "ratio_to_naive": (fast_tok / fast_s) / (base_tok / base_s),
