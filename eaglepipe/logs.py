@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -12,7 +14,7 @@ log = logging.getLogger(__name__)
 
 def to_file(path) -> None:
     """Send everything the job prints to `path` (the rule's log): log records with timestamps, warnings, an
-    uncaught error's traceback, and the output of processes it starts (vLLM's engine and workers)."""
+    uncaught error's traceback, the stacks on SIGUSR1, and the output of processes it starts (vLLM's engine and workers)."""
     if path:
         log_file = open(path, "a", buffering=1)
         os.dup2(log_file.fileno(), 2)  # file descriptor level, so child processes write here too
@@ -20,6 +22,8 @@ def to_file(path) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         handlers=[logging.StreamHandler(sys.stderr)], force=True)
     logging.captureWarnings(True)
+    # `kill -USR1 <pid>` prints every thread's stack to the log: where a job that seems stuck is.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 
 
 class Progress:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 
 import torch
 
@@ -101,6 +102,8 @@ class TransformersEngine(Engine):
             fits = fast.rows_that_fit(self.fast, self.settings.batch_size)
             plan = self._batches([prompts[i] for i in valid], max_rows=lambda n: fits(n + sampling.max_new_tokens),
                                  max_tokens=float("inf"))
+        plan = list(plan)
+        started, made = time.monotonic(), 0
         for batch_no, sub in enumerate(plan):
             batch = [valid[j] for j in sub]
             try:
@@ -123,6 +126,10 @@ class TransformersEngine(Engine):
                             break
             for i, out in zip(batch, outs):
                 results[i] = out
+            made += sum(len(o.output_ids) for o in outs)
+            elapsed = time.monotonic() - started
+            log.info("generate: batch %d/%d of %d rows done, %d new tokens so far, %.0f tok/s", batch_no + 1,
+                     len(plan), len(batch), made, made / max(elapsed, 1e-9))
         return results
 
     def _generate_batch(self, prompts: list[list[int]], sampling: Sampling, seed: int) -> list[Generation]:

@@ -53,6 +53,11 @@ bench-train)
         --seq-len 512 --ttt-steps 7 --steps 5 --no-baseline --json $OUT/gpu-training-smollm2.json 2>&1 | tail -25
     ;;
 quality)
+    # LIMIT seconds at most (a call runs 10 minutes): then every job's stacks go to its log (SIGUSR1) and Snakemake is
+    # interrupted; the next call resumes (--rerun-incomplete, the jobs' resume units).
+    LIMIT=${LIMIT:-520}
+    export CUDA_VISIBLE_DEVICES=0   # one GPU: no slot claiming (a job left over from an earlier call cannot block)
+    pkill -f "snakemake" 2>/dev/null; sleep 1
     cat > /root/gpu.yaml <<Y
 target: {path: $T}
 Y
@@ -60,16 +65,29 @@ Y
     C="--configfile $PWD/config/config.yaml $PWD/config/examples/h200-quality.yaml /root/gpu.yaml"
     start=$(date +%s)
     python3 -m snakemake -s $PWD/Snakefile -d $W --cores 16 --resources gpu=1 --scheduler greedy --rerun-incomplete \
-        ${@:-results/eval/acceptance.json} $C > $OUT/quality-snakemake.log 2>&1
+        ${@:-results/eval/acceptance.json} $C > $OUT/quality-snakemake.log 2>&1 &
+    smk=$!
+    ( sleep $LIMIT; pkill -USR1 -f "snakemake/scripts/tmp"; sleep 5; kill -INT $smk ) &
+    watcher=$!
+    wait $smk
     rc=$?
+    kill $watcher 2>/dev/null
     echo "snakemake rc=$rc in $(( $(date +%s) - start )) s"
     grep -h "Error\|error:" -A12 $OUT/quality-snakemake.log | head -40
-    for f in $W/logs/*.log $W/logs/*/*/*.log; do [ -f $f ] && { echo "== $f"; tail -3 $f; }; done 2>/dev/null | cut -c1-300
+    grep -h "jobs\|Finished job\|steps (" $OUT/quality-snakemake.log | tail -4
+    for f in $W/logs/*.log $W/logs/*/*/*.log; do [ -f $f ] && { echo "== $f"; tail -4 $f; }; done 2>/dev/null | cut -c1-300
+    grep -h -A30 "Thread 0x\|Current thread" $W/logs/*.log $W/logs/*/*/*.log 2>/dev/null | head -60
     cat $W/benchmarks/*.tsv $W/benchmarks/*/*/*.tsv 2>/dev/null | awk 'NR==1 || !/^s/' | cut -f1 | paste -sd' '
     for f in results/prompts/synthesized.json results/traces/stats.json results/eval/acceptance.json; do
-        [ -f $W/$f ] && { echo "== $f"; cat $W/$f; cp $W/$f $OUT/; }
+        [ -f $W/$f ] && { echo "== $f"; cat $W/$f; }
     done
-    [ -f $W/results/draft/model.safetensors ] && tar -C $W/results -czf $OUT/draft.tgz draft vocab/coverage.json
+    if [ -f $W/results/eval/acceptance.json ]; then  # the draft, its report and its eval data, in parts of 15 MB
+        tar -C $W -czf /root/quality.tgz results/draft results/eval results/prompts/eval.parquet results/traces/eval \
+            results/traces/stats.json results/prompts/synthesized.json results/vocab/coverage.json logs benchmarks
+        split -b 15M /root/quality.tgz $OUT/quality.tgz.part-
+        ls -la $OUT
+    fi
+    tail -c 2000000 $OUT/quality-snakemake.log > /root/q.log && mv /root/q.log $OUT/quality-snakemake.log
     ;;
 scaling)
     C="$PWD/config/config.yaml $PWD/config/examples/h200-quality.yaml /root/gpu.yaml"
