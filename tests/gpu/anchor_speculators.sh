@@ -2,14 +2,14 @@
 # newest on the package index) on the SAME hidden states as the h200-quality workflow, scored by our evaluator
 # (eaglepipe.evaluate) and served by vLLM like our draft. Run after `bash tests/gpu/h200.sh quality` on the same warm
 # machine (it reads /root/w). One stage per device call:
-#   bash tests/gpu/anchor_speculators.sh setup    # carry .whl/anchor: speculators + the 15 wheels the image lacks
+#   bash tests/gpu/anchor_speculators.sh setup    # carry .whl-anchor: speculators + the 15 wheels the image lacks
 #   bash tests/gpu/anchor_speculators.sh convert  # our shards -> speculators' data folder (tests/gpu/anchor_convert.py)
 #   bash tests/gpu/anchor_speculators.sh train    # speculators train; rerun if it stops at the time limit (it resumes)
 #   bash tests/gpu/anchor_speculators.sh eval     # its checkpoint -> our draft format; our evaluator on our eval split
 #   bash tests/gpu/anchor_speculators.sh native   # optional: speculators' default architecture (extra norms), vLLM only
 # Wheels, made on the CPU machine (pure Python except jiter and pydantic-core, cp312 manylinux2014; 6.9 MB in all):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl/anchor \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl-anchor \
 #     speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 dill==0.4.1 multiprocess==0.70.19 openai==3.57.0 \
 #     httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0 sniffio==1.3.1 loguru==0.7.3 \
 #     pydantic==2.14.4 pydantic-core==2.50.5 pydantic-settings==2.16.3 python-dotenv==1.2.4 annotated-types==0.8.0 \
@@ -58,7 +58,7 @@ run_train() {  # $1 = save path, rest = extra flags; bounded so the call returns
 case "$stage" in
 setup)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-anchor \
-        .whl/anchor/*.whl 2>&1 | tail -2
+        .whl-anchor/*.whl 2>&1 | tail -2
     python3 -c "import torch, transformers, triton, speculators, datasets, hs_connectors, speculators.train.cli
 print('speculators', speculators.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__,
       'triton', triton.__version__, torch.cuda.get_device_name(0))"
