@@ -57,7 +57,7 @@ quality)
     # interrupted; the next call resumes (--rerun-incomplete, the jobs' resume units).
     LIMIT=${LIMIT:-520}
     export CUDA_VISIBLE_DEVICES=0   # one GPU: no slot claiming (a job left over from an earlier call cannot block)
-    pkill -f "snakemake" 2>/dev/null; sleep 1
+    pkill -f "python3 -m snakemake -s" 2>/dev/null; sleep 1
     cat > /root/gpu.yaml <<Y
 target: {path: $T}
 Y
@@ -67,11 +67,12 @@ Y
     python3 -m snakemake -s $PWD/Snakefile -d $W --cores 16 --resources gpu=1 --scheduler greedy --rerun-incomplete \
         ${@:-results/eval/acceptance.json} $C > $OUT/quality-snakemake.log 2>&1 &
     smk=$!
-    ( sleep $LIMIT; pkill -USR1 -f "snakemake/scripts/tmp"; sleep 5; kill -INT $smk ) &
+    # The watcher's output goes nowhere: a sleep left holding the call's stdout would keep the call open to its end.
+    ( sleep $LIMIT; pkill -USR1 -f "snakemake/scripts/tmp"; sleep 5; kill -INT $smk ) >/dev/null 2>&1 &
     watcher=$!
     wait $smk
     rc=$?
-    kill $watcher 2>/dev/null
+    pkill -P $watcher 2>/dev/null; kill $watcher 2>/dev/null
     echo "snakemake rc=$rc in $(( $(date +%s) - start )) s"
     grep -h "Error\|error:" -A12 $OUT/quality-snakemake.log | head -40
     grep -h "jobs\|Finished job\|steps (" $OUT/quality-snakemake.log | tail -4
