@@ -7,6 +7,8 @@ beside the served figure, with `agrees` telling whether served is within the con
 When served falls short beyond the tolerance, `diagnosis` holds served tau of the draft with its layer ids shifted and
 the prompts rendered in template variants (diagnose.py), and `cause` names the fault the best variant undoes;
 `skipped` says, one line each, which variants were not tried and why (traces' prompt ids under multi_turn `all`).
+The draft, its offline acceptance, the eval prompts and traces are the workflow's own, or a draft bundle's
+(`bench.draft`; the format is in eaglepipe/bundle.py).
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from functools import partial
 from pathlib import Path
 
 from . import diagnose as diagnose_mod
+from .bundle import check_fits
 from .chat import load_tokenizer, render_chat
 from .engines import open_engine
 from .engines.base import EngineSettings, Sampling
-from .formats import read_table, write_json
+from .formats import PROMPT_SCHEMA, read_table, write_json
 from .reasoning import read_template
 from .target import read_info
 
@@ -42,14 +45,15 @@ def run(prompts_path, draft_dir, acceptance_path, output_path, *, target_dir, en
         template_kwargs: dict | None = None, traces: list | None = None, diagnose: bool = True,
         diagnose_prompts: int = 4, chat_template: str | None = None, multi_turn: str = "last") -> None:
     template_kwargs = template_kwargs or {}
+    check_fits(draft_dir, target_dir)  # before any engine loads: a draft of another target is named, not served
+    offline = _offline_tau(acceptance_path)
     # The traces' override template (target.chat_template), when set, is the one served with.
     tokenizer = load_tokenizer(target_dir, read_template(chat_template) if chat_template else None)
-    rows = read_table(prompts_path)[:max_prompts]
+    rows = read_table(prompts_path, PROMPT_SCHEMA)[:max_prompts]
     conversations = [json.loads(r["messages"]) for r in rows]
     # The bench renders as the traces stage did (same template kwargs), so a template fault shows as a shortfall.
     prompts = [render_chat(tokenizer, m, template_kwargs) for m in conversations]
     sampling = Sampling(max_new_tokens=max_new_tokens)
-    offline = json.loads(Path(acceptance_path).read_text())["tau"]
     base = EngineSettings.from_config({**engine, "name": "vllm", "batch_size": batch_size})
     results = {"prompts": len(prompts), "batch_size": batch_size, "max_new_tokens": max_new_tokens, "k": {},
                "diagnosis": None}
@@ -125,6 +129,15 @@ def run(prompts_path, draft_dir, acceptance_path, output_path, *, target_dir, en
             results["diagnosis"] = {"k": k, "prompts": len(diag_prompts), "variants": measured, "cause": cause,
                                     "finding": finding, "skipped": skipped}
     write_json(output_path, results)
+
+
+def _offline_tau(path) -> dict:
+    """Offline tau by k (as a string) from the evaluate stage's acceptance.json."""
+    try:
+        return dict(json.loads(Path(path).read_text())["tau"])
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{path}: not an offline acceptance file ({type(err).__name__}: {err}); it must be "
+                         "results/eval/acceptance.json of the run that trained the draft") from None
 
 
 def _traced_prompt_ids(trace_paths: list, ids: list[str]) -> list[list[int]] | None:

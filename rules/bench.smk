@@ -2,11 +2,8 @@ rule bench:
     conda:
         "../envs/eaglepipe.yaml"
     input:
-        prompts="results/prompts/eval.parquet",
-        traces=shards("results/traces/{split}/shard-{i}.parquet", ["eval"]),
-        config=rules.train.output.config,
-        model=rules.train.output.model,
-        acceptance=rules.evaluate.output.acceptance,
+        # prompts, traces, config, model, acceptance: the workflow's own or a draft bundle's (bench.draft)
+        unpack(bench_inputs()),
         target=target_dir(),
     output:
         served="results/bench/served.json",

@@ -3,6 +3,7 @@ import sys
 
 from snakemake.exceptions import WorkflowError
 
+import eaglepipe.bundle
 import eaglepipe.config
 import eaglepipe.tools.estimate
 import eaglepipe.preflight
@@ -81,3 +82,27 @@ if workflow.is_main_process and not getattr(workflow.output_settings, "quiet", N
 
 def shards(pattern, splits=SPLITS):
     return expand(pattern, split=splits, i=SHARDS)
+
+
+def bench_inputs():
+    """The draft the bench serves, its offline acceptance, the eval prompts and traces: this workflow's own outputs,
+    or with bench.draft a draft bundle's files (format: eaglepipe.bundle), so no rule upstream of the bench runs."""
+    folder = config["bench"]["draft"]
+    if folder is None:
+        own = dict(
+            prompts=rules.prompts.output.eval,
+            traces=shards(rules.traces.output.shard, ["eval"]),
+            config=rules.train.output.config,
+            model=rules.train.output.model,
+            acceptance=rules.evaluate.output.acceptance,
+        )
+        return lambda wildcards: own
+
+    # Checked when the DAG is built, so only a run that needs the bench asks for the bundle.
+    def bundle(wildcards):
+        try:
+            return eaglepipe.bundle.inputs(folder)
+        except ValueError as err:
+            raise WorkflowError(str(err)) from None
+
+    return bundle

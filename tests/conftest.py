@@ -77,9 +77,9 @@ def snakemake(workdir: Path, config: dict, *args: str, check: bool = True) -> su
     return result
 
 
-def planned_rules(workdir: Path, config: dict) -> set[str]:
-    """Rules a dry run would execute."""
-    result = snakemake(workdir, config, "-n", "--quiet", "rules")
+def planned_rules(workdir: Path, config: dict, *targets: str) -> set[str]:
+    """Rules a dry run would execute (for `targets`, else the default target)."""
+    result = snakemake(workdir, config, *targets, "-n", "--quiet", "rules")
     out = result.stdout + result.stderr
     rules = set()
     for line in out.splitlines():

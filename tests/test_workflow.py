@@ -5,6 +5,7 @@ import json
 import pytest
 
 from conftest import planned_rules, snakemake, tiny_config
+from eaglepipe import bundle
 from eaglepipe.formats import read_hidden_shard, read_table, sha256_file
 
 DETERMINISTIC = [
@@ -83,6 +84,25 @@ def test_rebuild_gives_byte_identical_files(first_run, tmp_path):
     snakemake(tmp_path, config, "results/eval/acceptance.json")
     for name in DETERMINISTIC:
         assert sha256_file(workdir / name) == sha256_file(tmp_path / name), f"{name} differs between two builds"
+
+
+@pytest.mark.vllm
+def test_a_bundle_of_the_run_is_served_without_the_pipeline(first_run, tmp_path):
+    """The run's draft bundled (eaglepipe.tools.bundle) and benched in a fresh directory with bench.draft: only the
+    bench runs, serves that draft and compares it with the bundled offline acceptance."""
+    workdir, config = first_run
+    bundle.make(workdir, tmp_path / "bundle")
+    served_dir = tmp_path / "served"
+    snakemake(served_dir, {**config, "bench": {**config["bench"], "draft": str(tmp_path / "bundle")}},
+              "results/bench/served.json")
+    assert sorted(str(p.relative_to(served_dir)) for p in (served_dir / "results").rglob("*")) == [
+        "results/bench", "results/bench/served.json"]
+    served = json.loads((served_dir / "results/bench/served.json").read_text())
+    ours = json.loads((workdir / "results/bench/served.json").read_text())
+    acceptance = json.loads((workdir / "results/eval/acceptance.json").read_text())
+    assert served["prompts"] == ours["prompts"] > 0 and served["k"]["2"]["offline_tau"] == acceptance["tau"]["2"]
+    assert served["k"]["2"]["drafts"] > 0
+    assert served["k"]["2"]["served_tau"] == pytest.approx(ours["k"]["2"]["served_tau"], abs=0.05)
 
 
 def test_bad_prompt_file_fails_the_rule_and_leaves_no_output(tmp_path, tiny_target):
