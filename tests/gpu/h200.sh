@@ -82,9 +82,10 @@ Y
     for f in results/prompts/synthesized.json results/traces/stats.json results/eval/acceptance.json; do
         [ -f $W/$f ] && { echo "== $f"; cat $W/$f; }
     done
-    if [ -f $W/results/eval/acceptance.json ]; then  # the draft, its report and its eval data, in parts of 15 MB
-        tar -C $W -czf /root/quality.tgz results/draft results/eval results/prompts/eval.parquet results/traces/eval \
-            results/traces/stats.json results/prompts/synthesized.json results/vocab/coverage.json logs benchmarks
+    if [ -f $W/results/eval/acceptance.json ]; then  # the draft bundle (bench.draft) and the run's reports, 15 MB parts
+        rm -rf /root/bundle && python3 -m eaglepipe.tools.bundle --directory $W --out /root/bundle
+        tar -C /root -czf /root/quality.tgz bundle -C $W results/traces/stats.json results/prompts/synthesized.json \
+            results/vocab/coverage.json results/hidden_states/manifest.json logs benchmarks
         split -b 15M /root/quality.tgz $OUT/quality.tgz.part-
         ls -la $OUT
     fi
