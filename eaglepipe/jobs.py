@@ -218,7 +218,7 @@ def train(smk) -> None:
 
 
 def evaluate(smk) -> None:
-    _start(smk)
+    _start(smk, gpus=True)
     from . import evaluate as stage
     from . import validate
 
@@ -231,6 +231,7 @@ def evaluate(smk) -> None:
         max_k=smk.params.max_k,
         max_tokens=smk.params.max_tokens,
         threads=smk.threads,
+        device=smk.params.device,
     )
 
 

@@ -13,7 +13,10 @@ rule evaluate:
     params:
         max_k=config["evaluate"]["max_k"],
         max_tokens=config["evaluate"]["max_batch_tokens"],
+        device=config["evaluate"]["device"],
     threads: config["evaluate"]["threads"]
+    resources:
+        gpu=1 if config["evaluate"]["device"].startswith("cuda") else 0,
     log:
         "logs/evaluate.log",
     script:

@@ -61,7 +61,9 @@ def gpu_rules(config: dict) -> list[dict]:
     """Rules that claim GPUs: jobs per run and GPUs per job (resources gpu=N)."""
     jobs = 2 * config["generation"]["num_shards"]  # train and eval splits
     rows = [("traces", jobs, config["engine"]["gpus"]), ("hidden_states", jobs, config["engine"]["gpus"]),
-            ("train", 1, config["train"]["gpus"]), ("bench", 1, config["engine"]["gpus"])]
+            ("train", 1, config["train"]["gpus"]),
+            ("evaluate", 1, 1 if config["evaluate"].get("device", "cpu").startswith("cuda") else 0),
+            ("bench", 1, config["engine"]["gpus"])]
     if config["prompts"].get("synthesize", {}).get("enabled"):
         rows.insert(0, ("synthesize_prompts", 1, config["engine"]["gpus"]))
     return [{"rule": r, "jobs": n, "gpus_per_job": g} for r, n, g in rows if g > 0]
