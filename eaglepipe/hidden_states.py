@@ -8,6 +8,7 @@ Shard and manifest formats are defined in formats.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -26,6 +27,7 @@ from .formats import (
     write_json,
 )
 from .logs import Progress
+from .shard_writer import StreamingShard
 from .target import fingerprint, read_info, resolve_layer_ids
 from .units import Units
 from .units import fingerprint as units_key
@@ -73,55 +75,112 @@ def write_record(record_path, shard_path, *, sha256: str, tensors: dict, metadat
 
 
 def write_shard(output_path, record_path, tensors: dict, metadata: dict) -> dict:
-    """Write the shard under a temporary name, hash those bytes, rename it into place, then write its record."""
+    """Write the shard from whole tensors under a temporary name, hash those bytes, rename it into place, then write
+    its record (the reference for extract's streamed bytes; tests compare them)."""
     with atomic_path(output_path) as tmp:
         write_hidden_shard(tmp, tensors, metadata)
         digest = sha256_file(tmp)
     return write_record(record_path, output_path, sha256=digest, tensors=tensors, metadata=metadata)
 
 
+def shard_tensors(seqs: list[list[int]], masks: list[list[int]]) -> dict:
+    """The shard's small tensors, known before capture: input_ids, loss_mask, cu_seqlens."""
+    lengths = torch.tensor([0] + [len(s) for s in seqs], dtype=torch.int64)
+    return {"input_ids": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
+            "loss_mask": torch.tensor([m for ms in masks for m in ms], dtype=torch.uint8),
+            "cu_seqlens": torch.cumsum(lengths, 0)}
+
+
+def runs_of(indices: list[int], lengths: list[int], starts: list[int]) -> list[tuple[int, int, int]]:
+    """(shard_row, row, n) runs for a batch holding the sequences `indices` one after another: rows of sequences
+    that follow each other in the shard merge into one run (one write)."""
+    runs, row = [], 0
+    for i in indices:
+        n = lengths[i]
+        if runs and runs[-1][0] + runs[-1][2] == starts[i]:
+            shard_row, first, count = runs[-1]
+            runs[-1] = (shard_row, first, count + n)
+        else:
+            runs.append((starts[i], row, n))
+        row += n
+    return [r for r in runs if r[2]]
+
+
+def extract(eng, output_path, seqs: list[list[int]], small: dict, metadata: dict, layer_ids: list[int], *,
+            hidden: int, chunk_size: int, units: Units | None = None, progress: Progress | None = None) -> str:
+    """Capture every sequence's rows and stream them into the shard at output_path; returns its sha256.
+
+    Chunks of chunk_size sequences are the units of resume: when a chunk's rows are on disk (in the shard's partial
+    file, fdatasync'd), its row range is recorded in `units`; a rerun with the same units reopens the partial file
+    and captures only the chunks not recorded. The engine's batches never mix chunks."""
+    starts = small["cu_seqlens"].tolist()
+    lengths = [len(s) for s in seqs]
+    chunks = [range(a, min(a + chunk_size, len(seqs))) for a in range(0, len(seqs), chunk_size)]
+    rows_of = [(starts[c.start], starts[c.stop]) for c in chunks]
+    done = {}
+    if units is not None:
+        for c in range(len(chunks)):
+            stored = units.load(c)
+            if stored is not None:
+                if tuple(stored.get("rows", ())) != rows_of[c]:
+                    raise RuntimeError(f"{units.path(c)}: records rows {stored.get('rows')}, not chunk {c}'s "
+                                       f"{list(rows_of[c])}; delete {units.folder} and rerun")
+                done[c] = rows_of[c]
+    writer = StreamingShard(output_path, **small, n_aux=len(layer_ids), hidden=hidden, metadata=metadata,
+                            keep=list(done.values()), keep_partial=units is not None)
+    with writer:
+        if done and not writer.kept:
+            units.discard(f"the partial file {writer.tmp} is missing or belongs to another shard")
+            done = {}
+        for c in done:
+            if progress is not None:
+                progress.update(len(chunks[c]), rows_of[c][1] - rows_of[c][0])
+        todo = [c for c in range(len(chunks)) if c not in done]
+        order = [i for c in todo for i in chunks[c]]  # the sequences to capture, chunk after chunk
+        chunk_of = {i: c for c in todo for i in chunks[c]}
+        left = {c: len(chunks[c]) for c in todo}
+        batches = eng.capture_rows([seqs[i] for i in order], layer_ids, groups=[len(chunks[c]) for c in todo])
+        with contextlib.closing(batches):  # closed on failure too: the engine gets its host buffers back
+            for rows in batches:
+                indices = [order[j] for j in rows.indices]
+                expected = sum(lengths[i] for i in indices)
+                if tuple(rows.aux.shape[:2]) != (expected, len(layer_ids)) or rows.final.shape[0] != expected:
+                    rows.release()
+                    raise RuntimeError(f"engine returned aux {tuple(rows.aux.shape)} / final "
+                                       f"{tuple(rows.final.shape)} for {len(indices)} sequences of {expected} tokens "
+                                       f"with {len(layer_ids)} layers")
+                writer.write_runs(runs_of(indices, lengths, starts), rows.aux, rows.final, release=rows.release)
+                for i in indices:
+                    c = chunk_of[i]
+                    left[c] -= 1
+                    if left[c] == 0:
+                        if units is not None:
+                            writer.mark(lambda c=c: units.save(c, {"rows": list(rows_of[c])}))
+                        if progress is not None:
+                            progress.update(len(chunks[c]), rows_of[c][1] - rows_of[c][0])
+        return writer.close()
+
+
 def run(trace_path, output_path, *, target_dir, layer_ids, engine: dict, max_length: int, chunk_size: int,
         progress_dir=None, record_path=None) -> None:
+    """Stream the shard (shard_writer.StreamingShard), then write its record; the partial file beside the output and
+    the progress folder's chunk records are the resume state after a crash."""
     info = read_info(target_dir)
     layer_ids = resolve_layer_ids(layer_ids, info)
     ids, seqs, masks = sequences_of(read_table(trace_path, TRACE_SCHEMA), max_length)
     progress = Progress(f"hidden states {trace_path}", len(seqs), "tok/s")
-    aux, final = [], []
-    # Chunks are the units of resume: a rerun after a crash captures only the chunks not yet stored.
     key = units_key(sha256_file(trace_path), fingerprint(target_dir), layer_ids, engine, max_length, chunk_size,
                     Path(__file__).read_text())
     units = Units(progress_dir or Path(output_path).with_name(f".{Path(output_path).name}.progress"), key,
                   f"hidden states {trace_path}")
-    with open_engine(target_dir, EngineSettings.from_config(engine)) as eng:
-        for start in range(0, len(seqs), chunk_size):
-            chunk = seqs[start: start + chunk_size]
-            stored = units.load(start // chunk_size)
-            if stored is not None:
-                aux.append(stored["aux"])
-                final.append(stored["final"])
-                progress.update(len(chunk), sum(map(len, chunk)))
-                continue
-            for cap, seq in zip(eng.capture(chunk, layer_ids), chunk):
-                if cap.aux.shape[:2] != (len(seq), 3) or cap.final.shape[0] != len(seq):
-                    raise RuntimeError(f"engine returned aux {tuple(cap.aux.shape)} / final "
-                                       f"{tuple(cap.final.shape)} for a {len(seq)}-token sequence")
-                aux.append(cap.aux)
-                final.append(cap.final)
-            n = len(chunk)
-            units.save(start // chunk_size, {"aux": torch.cat(aux[-n:]), "final": torch.cat(final[-n:])})
-            progress.update(len(chunk), sum(map(len, chunk)))
-    lengths = torch.tensor([0] + [len(s) for s in seqs], dtype=torch.int64)
-    hidden = info.hidden_size
-    tensors = {
-        "input_ids": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
-        "loss_mask": torch.tensor([m for ms in masks for m in ms], dtype=torch.uint8),
-        "cu_seqlens": torch.cumsum(lengths, 0),
-        "aux": torch.cat(aux) if aux else torch.zeros(0, 3, hidden, dtype=torch.bfloat16),
-        "final": torch.cat(final) if final else torch.zeros(0, hidden, dtype=torch.bfloat16),
-    }
+    small = shard_tensors(seqs, masks)
     metadata = {"ids": ids, "layer_ids": layer_ids, "layer_convention": LAYER_CONVENTION,
                 "target_fingerprint": fingerprint(target_dir)}
-    write_shard(output_path, record_path or record_path_of(output_path), tensors, metadata)
+    with open_engine(target_dir, EngineSettings.from_config(engine)) as eng:
+        digest = extract(eng, output_path, seqs, small, metadata, layer_ids, hidden=info.hidden_size,
+                         chunk_size=chunk_size, units=units, progress=progress)
+    write_record(record_path or record_path_of(output_path), output_path, sha256=digest, tensors=small,
+                 metadata=metadata)
     units.finish(-(-len(seqs) // chunk_size))
 
 

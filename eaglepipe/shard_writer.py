@@ -1,18 +1,33 @@
 """A hidden-state shard written while it is captured: one pass to disk, overlapped with the target's forward passes.
 
 The shard's layout is known before capture starts (its token ids, loss mask and sequence lengths come from the trace
-shard), so the safetensors header and the small tensors are written first and each captured chunk's `aux` and
-`final` rows go straight to their offsets in the file from a writer thread, while the engine runs the next chunk.
+shard), so the safetensors header and the small tensors are written first and each captured batch's `aux` and
+`final` rows go straight to their offsets in the file from a writer thread, while the engine runs the next batch.
 The bytes equal what `formats.write_hidden_shard` (safetensors' own `save_file`) writes for the same tensors
-(tests/test_shard_writer.py compares them); nothing is held in memory beyond the chunks in flight.
+(tests/test_shard_writer.py compares them); nothing is held in memory beyond the batches in flight.
 
-The file is written under a temporary name beside the output and renamed only when complete, so a crashed job leaves
-nothing Snakemake would take as done. The unit of resume on this path is the shard: a rerun captures it again.
+File layout (safetensors orders tensors by dtype size, then name): 8-byte header length, JSON header, then
+cu_seqlens (I64), input_ids (I32), aux (BF16 [T, n_aux, H]), final (BF16 [T, H]), loss_mask (U8).
+
+Three threads besides the caller's:
+- the writer pwrites row runs at their offsets, then calls the batch's release callback (the engine may then reuse
+  the host buffer the rows came from);
+- the syncer, for `mark(callback)`: fdatasync's the file, then calls the callback; so a callback (the stage records a
+  completed chunk there) only runs once the rows written before it are on disk, never while they are still in the
+  page cache of a machine that may crash;
+- the hasher computes the sha256 in file order while the file is written: the aux region is hashed (read back) as
+  its completed prefix grows, the rest at close, so close does not re-read the whole file.
+
+The file is written as `.<name>.partial` beside the output and renamed only when complete, so a crashed job leaves
+nothing Snakemake would take as done. The partial file is the resume state: opened with `keep` (row ranges a stage
+recorded as complete), an existing partial with the same header is reopened without truncation and only the other
+rows need writing; `keep_partial=True` leaves it in place when capture fails.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import os
 import queue
@@ -23,6 +38,7 @@ import torch
 
 # safetensors orders tensors by dtype size (largest first), then by name; these are the shard's (formats.SHARD_KEYS).
 _DTYPES = {torch.int64: ("I64", 8), torch.int32: ("I32", 4), torch.bfloat16: ("BF16", 2), torch.uint8: ("U8", 1)}
+_BLOCK = 1 << 24  # bytes per read-back while hashing
 
 
 def header(specs: dict[str, tuple[torch.dtype, list[int]]], metadata: dict[str, str]) -> tuple[bytes, dict]:
@@ -46,32 +62,68 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
+def _nothing() -> None:
+    pass
+
+
 class StreamingShard:
-    """with StreamingShard(path, small tensors, aux_shape, metadata) as shard: shard.write(start, aux, final) ..."""
+    """with StreamingShard(path, small tensors, n_aux, hidden, metadata) as shard: shard.write(start, aux, final) ...;
+    digest = shard.close()."""
 
     def __init__(self, path, *, input_ids: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
-                 n_aux: int, hidden: int, metadata: dict, queue_depth: int = 4):
+                 n_aux: int, hidden: int, metadata: dict, queue_depth: int = 4,
+                 keep: list[tuple[int, int]] = (), keep_partial: bool = False):
         self.path = Path(path)
         self.tokens = int(input_ids.numel())
+        self.n_aux, self.hidden = n_aux, hidden
         specs = {"input_ids": (torch.int32, [self.tokens]), "loss_mask": (torch.uint8, [self.tokens]),
                  "cu_seqlens": (torch.int64, [int(cu_seqlens.numel())]),
                  "aux": (torch.bfloat16, [self.tokens, n_aux, hidden]), "final": (torch.bfloat16, [self.tokens, hidden])}
         head, self.offsets = header(specs, {"eaglepipe": json.dumps(metadata, sort_keys=True)})
         self.base = len(head)
+        self.end = self.base + max(b for _, b in self.offsets.values())
         self.row_bytes = {"aux": n_aux * hidden * 2, "final": hidden * 2}
         self.tmp = self.path.with_name(f".{self.path.name}.partial")
+        self.keep_partial = keep_partial
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        end = self.base + max(b for _, b in self.offsets.values())
-        os.ftruncate(self.fd, end)
+        small = [(name, _bytes(t.to(specs[name][0]))) for name, t in
+                 (("cu_seqlens", cu_seqlens), ("input_ids", input_ids), ("loss_mask", loss_mask))]
+        # The partial of an earlier run is reused only when it is this very shard's (same size, header, small tensors).
+        self.kept = list(keep) if keep and self._same_partial(head, small) else []
+        flags = os.O_RDWR | os.O_CREAT | (0 if self.kept else os.O_TRUNC)
+        self.fd = os.open(self.tmp, flags, 0o644)
+        os.ftruncate(self.fd, self.end)
         self._pwrite(head, 0)
-        for name, t in (("input_ids", input_ids), ("loss_mask", loss_mask), ("cu_seqlens", cu_seqlens)):
-            self._pwrite(_bytes(t.to(specs[name][0])), self.base + self.offsets[name][0])
-        self.written = 0
+        for name, data in small:
+            self._pwrite(data, self.base + self.offsets[name][0])
         self.error: BaseException | None = None
+        self.closed = False
+        # Completed aux rows: a heap of (start, stop) runs and the prefix 0..frontier known complete.
+        self.frontier, self.runs, self.lock = 0, [], threading.Condition()
+        self.digest, self.hashed, self.hash_to = hashlib.sha256(), 0, self.base + self.offsets["aux"][0]
+        for start, stop in self.kept:
+            self._completed([(start, stop)])
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_depth)  # back-pressure: capture waits for a slow disk
-        self.thread = threading.Thread(target=self._drain, name=f"write {self.path.name}", daemon=True)
-        self.thread.start()
+        self.marks: queue.Queue = queue.Queue()
+        self.threads = [threading.Thread(target=fn, name=f"{fn.__name__} {self.path.name}", daemon=True)
+                        for fn in (self._drain, self._sync, self._hash)]
+        for t in self.threads:
+            t.start()
+
+    def _same_partial(self, head: bytes, small) -> bool:
+        try:
+            if self.tmp.stat().st_size != self.end:
+                return False
+            with open(self.tmp, "rb") as f:
+                if f.read(len(head)) != head:
+                    return False
+                for name, data in small:
+                    f.seek(self.base + self.offsets[name][0])
+                    if f.read(len(data)) != bytes(data):
+                        return False
+            return True
+        except OSError:
+            return False
 
     def _pwrite(self, data, offset: int) -> None:
         view = memoryview(data).cast("B")
@@ -79,48 +131,154 @@ class StreamingShard:
             n = os.pwrite(self.fd, view, offset)
             view, offset = view[n:], offset + n
 
+    def _fail(self, err: BaseException) -> None:
+        with self.lock:
+            if self.error is None:
+                self.error = err
+            self.lock.notify_all()
+
+    # ---- threads ----
+
     def _drain(self) -> None:
+        """The writer: pwrite each job's row runs, release its buffers, advance the completed prefix."""
         while True:
             job = self.jobs.get()
             if job is None:
+                self.marks.put(None)
                 return
-            if self.error is None:
+            kind, payload, callback = job
+            if kind == "mark":
+                self.marks.put(callback)
+                continue
+            try:
+                if self.error is None:
+                    aux, final, runs = payload
+                    for shard_row, row, n in runs:
+                        for name, t in (("aux", aux), ("final", final)):
+                            self._pwrite(_bytes(t[row: row + n]),
+                                         self.base + self.offsets[name][0] + shard_row * self.row_bytes[name])
+                    self._completed([(s, s + n) for s, _, n in runs])
+            except BaseException as err:  # reported to the capturing thread on its next write or at close
+                self._fail(err)
+            finally:
+                callback()  # always: the engine waits for its buffer back
+
+    def _sync(self) -> None:
+        """The syncer: fdatasync, then run the callbacks of every mark that came before the sync began."""
+        while True:
+            callbacks = [self.marks.get()]
+            while not self.marks.empty():
+                callbacks.append(self.marks.get())
+            stop = callbacks[-1] is None
+            callbacks = [c for c in callbacks if c is not None]
+            if callbacks and self.error is None:
                 try:
-                    for name, start, t in job:
-                        self._pwrite(_bytes(t), self.base + self.offsets[name][0] + start * self.row_bytes[name])
-                except BaseException as err:  # reported to the capturing thread on its next write or at close
-                    self.error = err
+                    os.fdatasync(self.fd)
+                    for c in callbacks:
+                        c()
+                except BaseException as err:
+                    self._fail(err)
+            if stop:
+                return
+
+    def _completed(self, runs) -> None:
+        aux_start = self.base + self.offsets["aux"][0]
+        with self.lock:
+            for run in runs:
+                heapq.heappush(self.runs, run)
+            while self.runs and self.runs[0][0] <= self.frontier:
+                self.frontier = max(self.frontier, heapq.heappop(self.runs)[1])
+            self.hash_to = max(self.hash_to, aux_start + self.frontier * self.row_bytes["aux"])
+            self.lock.notify_all()
+
+    def _hash(self) -> None:
+        """The hasher: sha256 of the file in order, up to hash_to as it grows (the whole file once closed)."""
+        buf = bytearray(_BLOCK)
+        while True:
+            with self.lock:
+                while self.hashed >= self.hash_to and not (self.closed and self.hashed >= self.end) \
+                        and self.error is None:
+                    self.lock.wait()
+                if self.error is not None or self.hashed >= self.end:
+                    return
+                target = self.hash_to
+            try:
+                while self.hashed < target:
+                    n = os.preadv(self.fd, [memoryview(buf)[: min(_BLOCK, target - self.hashed)]], self.hashed)
+                    if n <= 0:
+                        raise OSError(f"{self.tmp}: short read at byte {self.hashed} while hashing")
+                    self.digest.update(memoryview(buf)[:n])
+                    self.hashed += n
+            except BaseException as err:
+                self._fail(err)
+                return
+
+    # ---- the caller's side ----
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise OSError(f"writing {self.tmp} failed: {self.error}") from self.error
 
     def write(self, start: int, aux: torch.Tensor, final: torch.Tensor) -> None:
         """Rows start .. start + len(aux) - 1 of the shard (bf16, on the host; pinned memory is fine)."""
-        if self.error is not None:
-            raise OSError(f"writing {self.tmp} failed: {self.error}") from self.error
-        if start + aux.shape[0] > self.tokens or aux.shape[0] != final.shape[0]:
-            raise ValueError(f"{self.path}: rows {start}..{start + aux.shape[0]} do not fit {self.tokens} tokens")
-        self.jobs.put([("aux", start, aux), ("final", start, final)])
-        self.written += aux.shape[0]
+        self.write_runs([(start, 0, aux.shape[0])], aux, final)
+
+    def write_runs(self, runs: list[tuple[int, int, int]], aux: torch.Tensor, final: torch.Tensor,
+                   release=None) -> None:
+        """For each (shard_row, row, n) in runs: rows row .. row + n - 1 of aux [rows, n_aux, H] / final [rows, H]
+        (bf16, on the host) go to shard rows shard_row ... The tensors must stay unchanged until release() is
+        called (from the writer thread, once they are written or the write failed)."""
+        self._check()
+        if aux.shape[1:] != (self.n_aux, self.hidden) or final.shape[1:] != (self.hidden,) \
+                or aux.shape[0] != final.shape[0] or aux.dtype != torch.bfloat16 or final.dtype != torch.bfloat16:
+            raise ValueError(f"{self.path}: rows of aux {tuple(aux.shape)} {aux.dtype} / final {tuple(final.shape)} "
+                             f"{final.dtype}, expected [rows, {self.n_aux}, {self.hidden}] / [rows, {self.hidden}] "
+                             "bfloat16")
+        for shard_row, row, n in runs:
+            if shard_row < 0 or shard_row + n > self.tokens or row < 0 or row + n > aux.shape[0]:
+                raise ValueError(f"{self.path}: rows {shard_row}..{shard_row + n} (from {row} of {aux.shape[0]}) "
+                                 f"do not fit {self.tokens} tokens")
+        self.jobs.put(("rows", (aux, final, runs), release or _nothing))
+
+    def mark(self, callback) -> None:
+        """Call callback (from the syncer thread) once every row written before this call is on disk."""
+        self._check()
+        self.jobs.put(("mark", None, callback))
 
     def close(self, ok: bool = True) -> str | None:
-        """Finish writing; when ok and every row was written, rename into place and return the file's sha256."""
+        """Finish writing; when ok and every row was written, rename into place and return the file's sha256.
+        Otherwise remove the partial file (keep it with keep_partial) and, when ok, raise. A second close does
+        nothing."""
+        if self.fd is None:
+            return None
         self.jobs.put(None)
-        self.thread.join()
+        self.threads[0].join()
+        self.threads[1].join()
+        complete = self.error is None and self.frontier == self.tokens and not self.runs
+        failure = self.error
+        with self.lock:
+            self.closed = True
+            if ok and complete:
+                self.hash_to = self.end
+            else:
+                self.error = self.error or RuntimeError("closed before complete")
+            self.lock.notify_all()
+        self.threads[2].join()
         try:
-            if ok and self.error is None and self.written == self.tokens:
+            if ok and self.error is None:
                 os.fsync(self.fd)
         finally:
             os.close(self.fd)
-        if not ok or self.error is not None or self.written != self.tokens:
-            self.tmp.unlink(missing_ok=True)
+            self.fd = None
+        if not ok or not complete or self.error is not None:
+            if not self.keep_partial:
+                self.tmp.unlink(missing_ok=True)
             if ok:
-                raise RuntimeError(f"{self.path}: {self.written} of {self.tokens} rows written"
-                                   + (f" ({self.error})" if self.error else ""))
+                raise RuntimeError(f"{self.path}: {self.frontier} of {self.tokens} rows written"
+                                   + (f" ({failure})" if failure else ""))
             return None
-        digest = hashlib.sha256()
-        with open(self.tmp, "rb") as f:
-            for block in iter(lambda: f.read(1 << 24), b""):
-                digest.update(block)
         os.replace(self.tmp, self.path)
-        return digest.hexdigest()
+        return self.digest.hexdigest()
 
     def __enter__(self) -> "StreamingShard":
         return self

@@ -43,6 +43,15 @@ class Units:
             with atomic_path(stamp) as tmp:
                 tmp.write_text(key)
 
+    def discard(self, why: str) -> None:
+        """Forget every unit stored so far (the state they describe is gone) and start the folder afresh."""
+        stale = len(list(self.folder.glob("unit-*.pt")))
+        if stale:
+            log.info("%s: discarding %d units of earlier work: %s", self.what, stale, why)
+        for path in self.folder.glob("unit-*.pt"):
+            path.unlink()
+        self.reused = 0
+
     def path(self, index: int) -> Path:
         return self.folder / f"unit-{index:06d}.pt"
 

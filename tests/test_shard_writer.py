@@ -1,5 +1,7 @@
 """The streaming shard writer (eaglepipe/shard_writer.py) writes the bytes safetensors' own save_file writes."""
 
+import hashlib
+
 import pytest
 import torch
 
@@ -53,3 +55,61 @@ def test_incomplete_or_failed_shard_leaves_no_output(tmp_path):
         with StreamingShard(out, **kwargs) as shard:
             shard.write(6, tensors["aux"][:4], tensors["final"][:4])
     assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def kwargs_of(tensors, **extra):
+    return dict(input_ids=tensors["input_ids"], loss_mask=tensors["loss_mask"], cu_seqlens=tensors["cu_seqlens"],
+                n_aux=3, hidden=8, metadata=META, **extra)
+
+
+def test_scattered_runs_release_their_buffers_and_marks_follow_the_writes(tmp_path):
+    """Rows arrive out of order (a length-sorted batch), from buffers the writer hands back; a mark's callback runs
+    only after every row written before it."""
+    tensors = shard_tensors([5, 17, 1, 9])
+    write_hidden_shard(tmp_path / "ref.safetensors", tensors, META)
+    out = tmp_path / "s.safetensors"
+    released, marked = [], []
+    shard = StreamingShard(out, **kwargs_of(tensors))
+    order = [2, 0, 3, 1]  # sequences by length, as a batch holds them
+    starts = tensors["cu_seqlens"].tolist()
+    pieces = [slice(starts[i], starts[i + 1]) for i in order]
+    aux = torch.cat([tensors["aux"][p] for p in pieces])
+    final = torch.cat([tensors["final"][p] for p in pieces])
+    runs, row = [], 0
+    for p in pieces:
+        runs.append((p.start, row, p.stop - p.start))
+        row += p.stop - p.start
+    shard.write_runs(runs[:2], aux, final, release=lambda: released.append(1))
+    shard.mark(lambda: marked.append(shard.frontier))
+    shard.write_runs(runs[2:], aux, final, release=lambda: released.append(2))
+    digest = shard.close()
+    assert released == [1, 2] and marked and marked[0] >= 0
+    assert out.read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    assert digest == hashlib.sha256(out.read_bytes()).hexdigest()
+
+
+def test_a_kept_partial_is_reopened_without_truncation_and_another_is_not(tmp_path):
+    tensors = shard_tensors([6, 10])
+    write_hidden_shard(tmp_path / "ref.safetensors", tensors, META)
+    out = tmp_path / "s.safetensors"
+    with pytest.raises(KeyboardInterrupt):
+        with StreamingShard(out, **kwargs_of(tensors, keep_partial=True)) as shard:
+            shard.write(0, tensors["aux"][:6], tensors["final"][:6])
+            raise KeyboardInterrupt  # the job dies after the first sequence
+    assert (tmp_path / ".s.safetensors.partial").exists() and not out.exists()
+    shard = StreamingShard(out, **kwargs_of(tensors, keep=[(0, 6)]))
+    assert shard.kept == [(0, 6)]
+    shard.write(6, tensors["aux"][6:], tensors["final"][6:])  # only the missing rows
+    digest = shard.close()
+    assert out.read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    assert digest == hashlib.sha256(out.read_bytes()).hexdigest()
+    # A partial of another shard (other token ids) is not taken: started over, so rows 0..5 must be written again.
+    other = shard_tensors([6, 10], seed=1)
+    with StreamingShard(out, **kwargs_of(other, keep_partial=True)) as shard:
+        shard.write(0, other["aux"][:6], other["final"][:6])
+        shard.close(ok=False)
+    shard = StreamingShard(out, **kwargs_of(tensors, keep=[(0, 6)]))
+    assert shard.kept == []
+    shard.write(6, tensors["aux"][6:], tensors["final"][6:])
+    with pytest.raises(RuntimeError, match="0 of 16 rows written"):
+        shard.close()

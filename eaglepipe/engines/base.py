@@ -3,10 +3,12 @@
 An engine is a context manager (start on enter; processes and memory released on exit, success or failure) with:
     generate(prompts, sampling) -> one Generation per prompt (failures reported per item, never raised for all)
     capture(sequences, layer_ids) -> one Capture per sequence, ids in "input of layer k" numbering
+    capture_rows(sequences, layer_ids, groups) -> Rows of whole batches, for a stage that writes them out as they come
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +34,34 @@ class Generation:
 class Capture:
     aux: torch.Tensor  # [T, n_aux, H] bf16: input of each requested layer
     final: torch.Tensor  # [T, H] bf16: the final hidden state after the target's final norm
+
+
+def _nothing() -> None:
+    pass
+
+
+@dataclass
+class Rows:
+    """The captured rows of one batch: the sequences `indices` (into the list given to capture_rows), their tokens
+    one after another in that order (aux [rows, n_aux, H], final [rows, H], bf16 on the host). The tensors may be
+    views into a buffer the engine reuses: call release() once done with them (from any thread); until then the
+    engine may wait for the buffer."""
+    indices: list[int]
+    aux: torch.Tensor
+    final: torch.Tensor
+    release: Callable[[], None] = _nothing
+
+
+def group_ranges(count: int, groups: list[int] | None) -> list[range]:
+    """Consecutive ranges of sequence indices of the given sizes (None: one range of all `count`)."""
+    sizes = [count] if groups is None else list(groups)
+    if sum(sizes) != count or any(n < 0 for n in sizes):
+        raise ValueError(f"groups {sizes} do not add up to the {count} sequences given")
+    out, at = [], 0
+    for n in sizes:
+        out.append(range(at, at + n))
+        at += n
+    return [r for r in out if len(r)]
 
 
 @dataclass(frozen=True)
@@ -73,4 +103,13 @@ class Engine:
 
     def capture(self, sequences: list[list[int]], layer_ids: list[int]) -> list[Capture]:
         raise NotImplementedError
+
+    def capture_rows(self, sequences: list[list[int]], layer_ids: list[int],
+                     groups: list[int] | None = None) -> Iterator[Rows]:
+        """Rows of every sequence, batch by batch. groups: sizes of consecutive groups of sequences that batches never
+        mix (a stage's resume chunks); groups come out in order, each complete before the next begins. Every
+        sequence is in exactly one Rows. This default calls capture() once per group."""
+        for group in group_ranges(len(sequences), groups):
+            caps = self.capture([sequences[i] for i in group], layer_ids)
+            yield Rows(list(group), torch.cat([c.aux for c in caps]), torch.cat([c.final for c in caps]))
 

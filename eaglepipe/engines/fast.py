@@ -112,8 +112,10 @@ class Decoder:
 
     # ---- capture ----
 
-    def hidden_states(self, ids: torch.Tensor, layer_ids: list[int]):
-        """ids [B, T] right padded -> (aux [B, T, n, H] inputs of layers layer_ids, final [B, T, H] after the norm)."""
+    def hidden_states(self, ids: torch.Tensor, layer_ids: list[int], rows: torch.Tensor | None = None):
+        """ids [B, T] right padded -> (aux [B, T, n, H] inputs of layers layer_ids, final [B, T, H] after the norm).
+        rows (indices into the B * T flattened positions, e.g. the real tokens): only those, aux [R, n, H] and
+        final [R, H], gathered per layer as it passes (no padded [B, T, n, H] stack)."""
         positions = torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
         h = self.embed(ids)
         cos, sin = self.rope(positions)
@@ -128,13 +130,16 @@ class Decoder:
                 k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
             return self._attend(q, k, v, causal=True)
 
+        def keep(h):
+            return h if rows is None else h.flatten(0, 1).index_select(0, rows)
+
         for n, layer in enumerate(self.layers):
             if n in wanted:
-                aux[wanted[n]] = h
+                aux[wanted[n]] = keep(h)
             h = self._layer(layer, h, attend)
         if len(self.layers) in wanted:  # "input of layer N": the last layer's output before the final norm
-            aux[wanted[len(self.layers)]] = h
-        return torch.stack(aux, 2), self.norm(h)
+            aux[wanted[len(self.layers)]] = keep(h)
+        return torch.stack(aux, -2), self.norm(keep(h))
 
     # ---- generation ----
 

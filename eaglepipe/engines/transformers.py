@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
+from collections.abc import Iterator
 
 import torch
 
 from ..chat import load_tokenizer
 from . import fast
-from .base import Capture, Engine, EngineSettings, Generation, Sampling
+from .base import Capture, Engine, EngineSettings, Generation, Rows, Sampling, group_ranges
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,7 @@ class TransformersEngine(Engine):
         pad = tokenizer.pad_token_id if tokenizer is not None else None
         self.pad_id = pad if pad is not None else self.eos_ids[0]
         self.fast = self._fast_path()
+        self._ring, self._ring_busy = None, False  # capture_rows' host buffers, and whether a capture holds them
 
     def _fast_path(self):
         """The decoder of fast.py when engine.fast_path asks for it (auto: on CUDA, for the layer layouts it knows)."""
@@ -187,43 +190,112 @@ class TransformersEngine(Engine):
         return results
 
     def _capture_fast(self, sequences: list[list[int]], layer_ids: list[int]) -> list[Capture]:
-        """Right padded batches under a causal mask; each batch's real rows go to pinned host memory without blocking,
-        and are split into captures while the device runs the next batch."""
+        """One Capture per sequence, split (and copied) from the batches of capture_rows."""
         results: list[Capture | None] = [None] * len(sequences)
-        pending = None
-
-        def finish(batch, host_aux, host_final, done):
-            done.synchronize()
-            start = 0
-            for i in batch:
+        for rows in self.capture_rows(sequences, layer_ids):
+            at = 0
+            for i in rows.indices:
                 n = len(sequences[i])
-                results[i] = Capture(aux=host_aux[start: start + n], final=host_final[start: start + n])
-                start += n
-
-        pin = self.device.type == "cuda"
-        for batch in self._batches(sequences):
-            width = len(sequences[batch[-1]])
-            ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-            real = torch.zeros(len(batch), width, dtype=torch.bool)
-            for row, i in enumerate(batch):
-                ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
-                real[row, : len(sequences[i])] = True
-            aux, final = self.fast.hidden_states(ids.to(self.device, non_blocking=pin), layer_ids)
-            real = real.to(self.device, non_blocking=pin)
-            aux, final = aux[real].to(torch.bfloat16), final[real].to(torch.bfloat16)
-            host_aux = torch.empty(aux.shape, dtype=torch.bfloat16, pin_memory=pin)
-            host_final = torch.empty(final.shape, dtype=torch.bfloat16, pin_memory=pin)
-            host_aux.copy_(aux, non_blocking=pin)
-            host_final.copy_(final, non_blocking=pin)
-            done = torch.cuda.Event() if pin else _Done()
-            if pin:
-                done.record()
-            if pending is not None:
-                finish(*pending)
-            pending = (batch, host_aux, host_final, done)
-        if pending is not None:
-            finish(*pending)
+                results[i] = Capture(aux=rows.aux[at: at + n].clone(), final=rows.final[at: at + n].clone())
+                at += n
+            rows.release()
         return results
+
+    @torch.inference_mode()
+    def capture_rows(self, sequences: list[list[int]], layer_ids: list[int],
+                     groups: list[int] | None = None) -> Iterator[Rows]:
+        """The fast path: right padded, length-sorted batches under a causal mask; only the real rows are gathered on
+        the device and copied, without blocking, into a ring of host buffers (pinned on CUDA) allocated once; a batch
+        is handed out once its copy is done, while the device runs the next one."""
+        if self.fast is None:
+            yield from super().capture_rows(sequences, layer_ids, groups)
+            return
+        plan = []
+        for group in group_ranges(len(sequences), groups):
+            sub = [sequences[i] for i in group]
+            plan += [[group[j] for j in batch] for batch in self._batches(sub)]
+        if not plan:
+            return
+        pin = self.device.type == "cuda"
+        most = max(sum(len(sequences[i]) for i in batch) for batch in plan)
+        hidden = self.model.config.hidden_size
+        if self._ring_busy:  # a capture inside another's loop: its own buffers, or the two would wait on each other
+            ring = _Ring(RING_DEPTH, most, len(layer_ids), hidden, pin)
+        else:
+            if self._ring is None or not self._ring.fits(most, len(layer_ids), hidden):
+                self._ring = None  # buffers still held by a consumer stay alive until it lets go of them
+                self._ring = _Ring(RING_DEPTH, most, len(layer_ids), hidden, pin)
+            ring, self._ring_busy = self._ring, True
+        pending = taken = None
+        try:
+            for batch in plan:
+                aux_buf, final_buf, release = ring.take()
+                taken = (batch, aux_buf, final_buf, release, _Done())  # released below if the forward fails
+                width = len(sequences[batch[-1]])  # ascending lengths: the last is the longest
+                ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+                take = []
+                for row, i in enumerate(batch):
+                    n = len(sequences[i])
+                    ids[row, :n] = torch.tensor(sequences[i])
+                    take.append(torch.arange(row * width, row * width + n))
+                take = torch.cat(take)
+                # non_blocking from pageable memory: staged at once, without waiting for the batch still running
+                aux, final = self.fast.hidden_states(ids.to(self.device, non_blocking=True), layer_ids,
+                                                     rows=take.to(self.device, non_blocking=True))
+                n = take.numel()
+                aux_buf[:n].copy_(aux.to(torch.bfloat16), non_blocking=pin)
+                final_buf[:n].copy_(final.to(torch.bfloat16), non_blocking=pin)
+                done = torch.cuda.Event() if pin else _Done()
+                if pin:
+                    done.record()
+                taken = None
+                previous, pending = pending, (batch, aux_buf[:n], final_buf[:n], release, done)
+                if previous is not None:
+                    yield _finish(*previous)  # the consumer's from here on: it releases it
+            last, pending = pending, None
+            yield _finish(*last)
+        finally:  # closed early or failed: buffers not handed out go back to the ring
+            for held in (taken, pending):
+                if held is not None:
+                    held[4].synchronize()  # no copy may still be writing into it
+                    held[3]()
+            if ring is self._ring:
+                self._ring_busy = False
+
+
+RING_DEPTH = 3  # host buffers: one being filled, one handed out, one still being written by the consumer
+
+
+def _finish(batch, aux, final, release, done) -> Rows:
+    done.synchronize()
+    return Rows(batch, aux, final, release)
+
+
+class _Ring:
+    """Host buffers for captured rows, allocated once per engine (pinned memory is slow to allocate) and reused in
+    turn: a slot is handed out again only after the consumer released the Rows that used it."""
+
+    def __init__(self, depth: int, rows: int, n_aux: int, hidden: int, pin: bool):
+        self.shape = (rows, n_aux, hidden)
+        self.slots = []
+        for _ in range(depth):
+            free = threading.Event()
+            free.set()
+            self.slots.append((torch.empty(rows, n_aux, hidden, dtype=torch.bfloat16, pin_memory=pin),
+                               torch.empty(rows, hidden, dtype=torch.bfloat16, pin_memory=pin), free))
+        self.next = 0
+
+    def fits(self, rows: int, n_aux: int, hidden: int) -> bool:
+        return rows <= self.shape[0] and (n_aux, hidden) == self.shape[1:]
+
+    def take(self, patience: float = 3600.0):
+        aux, final, free = self.slots[self.next]
+        self.next = (self.next + 1) % len(self.slots)
+        if not free.wait(patience):
+            raise RuntimeError(f"capture_rows: no host buffer released within {patience:.0f} s; a consumer of Rows "
+                               "must call rows.release() once done with them")
+        free.clear()
+        return aux, final, free.set
 
 
 class _Done:

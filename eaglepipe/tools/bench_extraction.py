@@ -10,11 +10,13 @@ tokens of each row) or, without one, from the embedded default's measured distri
 the device from its config; --target loads a checkpoint.
 
 Both paths capture the default aux layers (2, N//2, N-3: "input of layer k") and the final normed state, and write
-shards of --shard-tokens tokens to --out (local disk): the fast path through engine.fast_path `true` and the streaming
-writer (eaglepipe/shard_writer.py, written while the next chunk runs); the naive path through `model(...,
-output_hidden_states=True)` on padded batches (`engine.fast_path: false`), then one `save_file` per shard, as the stage
-did before. Prints tokens/s of each, their ratio, and the limits measured in the same run: compute (bf16 matmul peak /
-2 x parameters per token) and disk (sequential write rate / bytes per token); the fast path's share of the lower one.
+shards of --shard-tokens tokens to --out (local disk): the fast path through engine.fast_path `true` and the stage's
+own streaming code (hidden_states.extract: engine.capture_rows into a ring of pinned host buffers, rows written at
+their offsets by shard_writer.StreamingShard while the next batch runs, chunk records of --chunk-size sequences for
+resume); the naive path through `model(..., output_hidden_states=True)` on padded batches (`engine.fast_path: false`),
+then one `save_file` per shard, as the stage did before. Prints tokens/s of each, their ratio, and the limits measured
+in the same run: compute (bf16 matmul peak / 2 x parameters per token) and disk (sequential write rate / bytes per
+token); the fast path's share of each and of the lower one.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import torch
 
 from ..engines.base import EngineSettings
 from ..formats import write_hidden_shard
-from ..shard_writer import StreamingShard
+from ..hidden_states import extract, shard_tensors
+from ..units import Units
 from .limits import commit, describe, disk_write_gb_s, matmul_peak_tflops, sync
 
 PRESETS = {
@@ -83,8 +86,10 @@ def engine_on(model, device: str, dtype: str, fast: bool, max_batch_tokens: int)
     return engine
 
 
-def run_path(engine, seqs, layer_ids, out: Path, shard_tokens: int, chunk_tokens: int, streaming: bool) -> float:
-    """Capture every sequence and write shards; returns seconds, the last byte on disk (fsync) included."""
+def run_path(engine, seqs, layer_ids, out: Path, shard_tokens: int, chunk_size: int, streaming: bool) -> float:
+    """Capture every sequence and write shards; returns seconds, the last byte on disk (fsync) included.
+    streaming: the stage's own code (hidden_states.extract: capture_rows into StreamingShard, chunk records in a
+    progress folder as the stage keeps them); else the naive path (capture(), torch.cat, save_file, fsync)."""
     shards, current, n = [], [], 0
     for s in seqs:
         current.append(s)
@@ -99,26 +104,13 @@ def run_path(engine, seqs, layer_ids, out: Path, shard_tokens: int, chunk_tokens
     start = time.perf_counter()
     for number, shard in enumerate(shards):
         path = out / f"shard-{number}.safetensors"
-        flat = torch.tensor([t for s in shard for t in s], dtype=torch.int32)
-        cu = torch.tensor([0] + [len(s) for s in shard]).cumsum(0)
-        small = dict(input_ids=flat, loss_mask=torch.ones(flat.numel(), dtype=torch.uint8), cu_seqlens=cu)
+        masks = [[1] * len(s) for s in shard]
+        small = shard_tensors(shard, masks)
         meta = {"ids": [str(i) for i in range(len(shard))], "layer_ids": layer_ids}
         if streaming:
-            writer = StreamingShard(path, **small, n_aux=len(layer_ids), hidden=hidden, metadata=meta)
-            row = 0
-            chunk, size = [], 0
-            for s in shard + [None]:
-                if s is not None:
-                    chunk.append(s)
-                    size += len(s)
-                if chunk and (s is None or size >= chunk_tokens):
-                    caps = engine.capture(chunk, layer_ids)
-                    aux = torch.cat([c.aux for c in caps])
-                    final = torch.cat([c.final for c in caps])
-                    writer.write(row, aux, final)
-                    row += aux.shape[0]
-                    chunk, size = [], 0
-            writer.close()
+            units = Units(out / f".progress-{number}", "bench", f"bench shard {number}")
+            extract(engine, path, shard, small, meta, layer_ids, hidden=hidden, chunk_size=chunk_size, units=units)
+            units.finish(-(-len(shard) // chunk_size))
         else:
             caps = engine.capture(shard, layer_ids)
             write_hidden_shard(path, {**small, "aux": torch.cat([c.aux for c in caps]),
@@ -138,7 +130,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--baseline-tokens", type=int, default=0, help="0: the same sequences as the fast path")
     parser.add_argument("--lengths-from")
     parser.add_argument("--shard-tokens", type=int, default=1_000_000)
-    parser.add_argument("--chunk-tokens", type=int, default=131072)
+    parser.add_argument("--chunk-size", type=int, default=0,
+                        help="sequences per resume chunk (config hidden_states.chunk_size); 0: from --chunk-tokens")
+    parser.add_argument("--chunk-tokens", type=int, default=131072,
+                        help="without --chunk-size: chunks of about this many tokens (at the mean sequence length)")
+    parser.add_argument("--disk-probe-gb", type=float, default=4.0, help="bytes written to measure the disk rate")
     parser.add_argument("--max-batch-tokens", type=int, default=65536)
     parser.add_argument("--baseline-batch-tokens", type=int, default=8192, help="padded tokens per naive batch")
     parser.add_argument("--out", default="/tmp/eaglepipe-bench-extraction")
@@ -162,32 +158,38 @@ def main(argv=None) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     peak = matmul_peak_tflops(device)
-    disk = disk_write_gb_s(out)
+    disk = disk_write_gb_s(out, args.disk_probe_gb)
     bytes_per_token = (len(layer_ids) + 1) * config.hidden_size * 2
     compute_limit = peak * 1e12 / (2 * params)
     disk_limit = disk * 1e9 / bytes_per_token
     tokens = sum(lengths)
+    chunk_size = args.chunk_size or max(1, round(args.chunk_tokens * len(lengths) / tokens))
 
     fast = engine_on(model, args.device, args.dtype, True, args.max_batch_tokens)
-    fast.capture(seqs[:4], layer_ids)  # warm
-    fast_s = run_path(fast, seqs, layer_ids, out / "fast", args.shard_tokens, args.chunk_tokens, streaming=True)
+    fast.capture(seqs[:4], layer_ids)  # warm (kernels; the host ring is allocated in the timed run, once)
+    fast_s = run_path(fast, seqs, layer_ids, out / "fast", args.shard_tokens, chunk_size, streaming=True)
     shutil.rmtree(out / "fast", ignore_errors=True)
     result = {
         "device": describe(device), "commit": commit(),
         "command": "python -m eaglepipe.tools.bench_extraction " + " ".join(argv or sys.argv[1:]),
         "target": args.preset or str(args.target), "tokens": tokens, "sequences": len(seqs), "layer_ids": layer_ids,
+        "chunk_size": chunk_size,
         "fast_tok_s": tokens / fast_s, "matmul_peak_tflops": peak, "disk_write_gb_s": disk,
         "bytes_per_token": bytes_per_token, "compute_limit_tok_s": compute_limit, "disk_limit_tok_s": disk_limit,
         "limit_tok_s": min(compute_limit, disk_limit),
     }
     result["share_of_limit"] = result["fast_tok_s"] / result["limit_tok_s"]
+    result["share_of_compute_limit"] = result["fast_tok_s"] / compute_limit
+    result["share_of_disk_limit"] = result["fast_tok_s"] / disk_limit
     result["achieved_tflops"] = 2 * params * result["fast_tok_s"] / 1e12
     result["disk_gb_s_used"] = result["fast_tok_s"] * bytes_per_token / 1e9
     print(f"{result['target']}: {tokens:,} tokens in {len(seqs):,} sequences")
     print(f"limits measured now: matmul {peak:.0f} TFLOP/s -> {compute_limit:,.0f} tok/s; disk {disk:.2f} GB/s at "
           f"{bytes_per_token:,} B/token -> {disk_limit:,.0f} tok/s")
     print(f"fast path: {result['fast_tok_s']:,.0f} tok/s written to shards ({100 * result['share_of_limit']:.0f} % of "
-          f"the lower limit; {result['achieved_tflops']:.0f} TFLOP/s, {result['disk_gb_s_used']:.2f} GB/s)")
+          f"the lower limit; {100 * result['share_of_compute_limit']:.0f} % of compute, "
+          f"{100 * result['share_of_disk_limit']:.0f} % of disk; {result['achieved_tflops']:.0f} TFLOP/s, "
+          f"{result['disk_gb_s_used']:.2f} GB/s)")
     if not args.skip_baseline:
         base_seqs = seqs
         if args.baseline_tokens:
@@ -199,7 +201,7 @@ def main(argv=None) -> dict:
                 n += len(s)
         naive = engine_on(model, args.device, args.dtype, False, args.baseline_batch_tokens)
         naive.capture(base_seqs[:4], layer_ids)
-        base_s = run_path(naive, base_seqs, layer_ids, out / "naive", args.shard_tokens, args.chunk_tokens,
+        base_s = run_path(naive, base_seqs, layer_ids, out / "naive", args.shard_tokens, chunk_size,
                           streaming=False)
         shutil.rmtree(out / "naive", ignore_errors=True)
         result["naive_tok_s"] = sum(map(len, base_seqs)) / base_s
