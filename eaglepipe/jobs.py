@@ -153,6 +153,7 @@ def hidden_states(smk) -> None:
         stage_outputs=smk.params.stage,
         what="hidden-state shards",
         gpus=smk.resources.gpu,
+        resume_copy=False,  # extraction resumes from its partial shard, not from a copy of the rows
     )
     stage.run(
         smk.input.traces,

@@ -159,11 +159,12 @@ def hidden_states_estimate(trace_path, max_length: int, hidden_size: int, num_au
     return hidden_state_bytes(sum(map(len, seqs)), num_aux, hidden_size)
 
 
-def stage_bytes(job_bytes: int, stage_outputs: list[str]) -> int:
-    """The job's own outputs, its resume units (one more copy), and the stage's other outputs not yet written,
-    estimated at this job's size: a disk that cannot hold the stage fails the first job, not the last."""
+def stage_bytes(job_bytes: int, stage_outputs: list[str], resume_copy: bool = True) -> int:
+    """The job's own outputs, its resume units when they hold a copy of the data (traces; hidden states resume from
+    their partial shard instead), and the stage's other outputs not yet written, estimated at this job's size: a disk
+    that cannot hold the stage fails the first job, not the last."""
     missing = sum(not Path(p).exists() for p in stage_outputs) if stage_outputs else 1
-    return job_bytes * (max(missing, 1) + 1)
+    return job_bytes * (max(missing, 1) + int(resume_copy))
 
 
 def check_target(target_dir) -> TargetInfo:
@@ -216,7 +217,7 @@ def check_config(config: dict, info: TargetInfo) -> None:
 
 
 def run_job(config: dict, target_dir, *, output_path, needed_bytes: int, stage_outputs: list[str], what: str,
-            gpus: int) -> None:
+            gpus: int, resume_copy: bool = True) -> None:
     """Every check for one engine job, in order of cost; raises PreflightError on the first failing one."""
     settings = config["preflight"]
     if not settings["enabled"]:
@@ -225,7 +226,7 @@ def run_job(config: dict, target_dir, *, output_path, needed_bytes: int, stage_o
     info = check_target(target_dir)
     check_config(config, info)
     check_gpus(gpus, allow_busy=settings["allow_busy_gpus"])
-    check_disk(Path(output_path).parent, stage_bytes(needed_bytes, stage_outputs),
+    check_disk(Path(output_path).parent, stage_bytes(needed_bytes, stage_outputs, resume_copy),
                reserve_bytes=int(settings["reserve_disk_gib"] * GIB), what=what)
 
 

@@ -91,6 +91,8 @@ def test_stage_estimate_counts_unwritten_shards_and_resume_units(tmp_path):
     done.write_bytes(b"x")
     outputs = [str(done)] + [str(tmp_path / f"shard-{i}.safetensors") for i in (1, 2, 3)]
     assert preflight.stage_bytes(100, outputs) == 100 * (3 + 1)
+    # hidden states resume from their partial shard: no second copy to make room for
+    assert preflight.stage_bytes(100, outputs, resume_copy=False) == 100 * 3
     # tokens x (3 aux + final) x hidden x 2 bytes, plus the int32 id and uint8 mask per token
     assert preflight.hidden_state_bytes(1000, 3, 7168) == 1000 * (4 * 7168 * 2 + 5)
 
