@@ -41,9 +41,9 @@ bench)
     python3 -m eaglepipe.tools.bench_generation --target $T --device cuda --dtype bfloat16 --max-new-tokens 256 \
         --repeat 4 --baseline-prompts 256 --json $OUT/gpu-generation.json 2>&1 | grep -v "Loading weights"
     python3 -m eaglepipe.tools.bench_extraction --target $T --device cuda --tokens 4000000 --baseline-tokens 1000000 \
-        --out /root/bench-out --json $OUT/gpu-extraction-smollm2.json 2>&1 | grep -v "Loading weights"
+        --chunk-size 256 --out /root/bench-out --json $OUT/gpu-extraction-smollm2.json 2>&1 | grep -v "Loading weights"
     python3 -m eaglepipe.tools.bench_extraction --preset llama-8b --device cuda --tokens 1000000 --baseline-tokens 250000 \
-        --shard-tokens 250000 --chunk-tokens 32768 --out /root/bench-out --max-batch-tokens 32768 --json $OUT/gpu-extraction-llama8b.json \
+        --shard-tokens 250000 --chunk-size 256 --out /root/bench-out --max-batch-tokens 32768 --json $OUT/gpu-extraction-llama8b.json \
         2>&1 | grep -v "Loading weights"
     ;;
 bench-train)
