@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import planned_rules, snakemake, tiny_config
+from conftest import REPO, planned_rules, snakemake, tiny_config
 from eaglepipe import bundle
 from eaglepipe.formats import read_hidden_shard, read_table, sha256_file
 
@@ -22,6 +22,25 @@ def first_run(tmp_path_factory, tiny_target):
     config = tiny_config(tiny_target)
     snakemake(workdir, config)
     return workdir, config
+
+
+def test_data_scaling_trains_prefixes_of_the_train_shards_and_reproduces_the_full_run(first_run, tmp_path):
+    from eaglepipe.tools import scaling
+
+    workdir, _ = first_run
+    result = scaling.main(["--directory", str(workdir), "--configfile", str(REPO / "config" / "config.yaml"),
+                           str(workdir / "test-config.yaml"), "--shards", "1,2", "--scratch", str(tmp_path / "scratch"),
+                           "--json", str(tmp_path / "scaling.json"), "--plot", str(tmp_path / "scaling.png")])
+    manifest = json.loads((workdir / "results/hidden_states/manifest.json").read_text())
+    train = sorted((s for s in manifest["shards"] if s["split"] == "train"), key=lambda s: s["path"])
+    one, both, full = result["points"]
+    assert (one["shards"], one["train_tokens"], one["conversations"]) == (1, train[0]["tokens"], train[0]["samples"])
+    assert both["train_tokens"] == full["train_tokens"] == manifest["tokens"]["train"] > one["train_tokens"]
+    # The same recipe on all shards is the train rule's run: the same draft, so the evaluate rule's exact figures.
+    assert both["tau"] == full["tau"] == json.loads((workdir / "results/eval/acceptance.json").read_text())["tau"]
+    assert json.loads((tmp_path / "scaling.json").read_text())["points"] == result["points"]
+    assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not any((tmp_path / "scratch").iterdir())
 
 
 def test_every_artifact_is_produced_and_consistent(first_run):

@@ -76,8 +76,9 @@ def main(argv=None) -> dict:
                   target_dir=target, layer_ids=manifest["layer_ids"], settings=settings,
                   threads=cfg["train"]["threads"], progress_dir=out / ".progress")
         seconds = time.monotonic() - start
-        evaluate.run(eval_paths, out, out / "acceptance.json", target_dir=target, max_k=cfg["evaluate"]["max_k"],
-                     max_tokens=cfg["train"]["max_batch_tokens"], threads=cfg["train"]["threads"])
+        e = cfg["evaluate"]  # as the evaluate rule runs it, so the all-shards point is the workflow's own figure
+        evaluate.run(eval_paths, out, out / "acceptance.json", target_dir=target, max_k=e["max_k"],
+                     max_tokens=e["max_batch_tokens"], threads=e["threads"], device=e["device"])
         points.append(point(manifest, paths, json.loads((out / "acceptance.json").read_text()), seconds))
         log.info("%d shards: %s training tokens, tau(3) %.3f", n, points[-1]["train_tokens"], points[-1]["tau"]["3"])
         shutil.rmtree(out, ignore_errors=True)
