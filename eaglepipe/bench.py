@@ -99,8 +99,10 @@ def run(prompts_path, draft_dir, acceptance_path, output_path, *, target_dir, en
             return measured
         return check
 
-    base_b1, base_bn, _, _, _ = measure(base)
-    results["baseline_tok_s"] = {"batch_1": base_b1, f"batch_{batch_size}": base_bn}
+    # The target alone is timed before and after the drafts, and speedups use the mean of the two: a load that
+    # comes or goes during the bench (a shared machine) shows as drift instead of as a speedup or a slowdown.
+    first = measure(base)[:2]
+    bn_key = f"batch_{batch_size}"
     for k in ks:
         settings = replace(base, draft=str(draft_dir), num_speculative_tokens=k)
         b1, bn, delta, per_pos, measured = measure(settings, templates_if_short(k))
@@ -109,12 +111,11 @@ def run(prompts_path, draft_dir, acceptance_path, output_path, *, target_dir, en
         off = offline.get(str(k))
         results["k"][str(k)] = {
             "served_tau": tau, "offline_tau": off, "per_position": [p / drafts for p in per_pos],
-            "drafts": delta["drafts"], "tok_s": {"batch_1": b1, f"batch_{batch_size}": bn},
-            "speedup": {"batch_1": b1 / base_b1, f"batch_{batch_size}": bn / base_bn},
+            "drafts": delta["drafts"], "tok_s": {"batch_1": b1, bn_key: bn},
             "agrees": off is not None and abs(tau - off) <= tolerance * off,
         }
-        log.info("k=%d: served tau %.3f vs offline %s; speedup batch 1 %.2fx, batch %d %.2fx", k, tau, off,
-                 b1 / base_b1, batch_size, bn / base_bn)
+        log.info("k=%d: served tau %.3f vs offline %s; %.2f tok/s at batch 1 (target alone before: %.2f), %.2f at "
+                 "batch %d (%.2f)", k, tau, off, b1, first[0], bn, batch_size, first[1])
         if not results["k"][str(k)]["agrees"]:
             log.warning("k=%d: served acceptance %.3f is not within %.0f%% of offline %s", k, tau, 100 * tolerance, off)
         if measured is not None:
@@ -128,7 +129,32 @@ def run(prompts_path, draft_dir, acceptance_path, output_path, *, target_dir, en
             log.warning("diagnosis k=%d: %s", k, finding)
             results["diagnosis"] = {"k": k, "prompts": len(diag_prompts), "variants": measured, "cause": cause,
                                     "finding": finding, "skipped": skipped}
+    last = measure(base)[:2]
+    results.update(baseline_speed(first, last, bn_key))
+    for k, entry in results["k"].items():
+        entry["speedup"] = {key: entry["tok_s"][key] / results["baseline_tok_s"][key] for key in entry["tok_s"]}
+        log.info("k=%s: speedup batch 1 %.2fx, %s %.2fx", k, entry["speedup"]["batch_1"], bn_key,
+                 entry["speedup"][bn_key])
     write_json(output_path, results)
+
+
+DRIFT_TOLERANCE = 0.15  # the target alone timed before and after the drafts may differ by this share
+
+
+def baseline_speed(first: tuple[float, float], last: tuple[float, float], bn_key: str) -> dict:
+    """served.json's baseline fields from the target-alone speeds (batch 1, batch n) before and after the drafts:
+    baseline_tok_s (their mean, what speedups divide by), baseline_runs, baseline_drift (the larger relative
+    difference) and noisy (drift above DRIFT_TOLERANCE: the machine's load changed; rerun on a quiet machine)."""
+    keys = ("batch_1", bn_key)
+    drift = max(abs(a - b) / max(a, b, 1e-9) for a, b in zip(first, last))
+    noisy = drift > DRIFT_TOLERANCE
+    if noisy:
+        log.warning("the target alone ran %.0f%% apart before and after the drafts (%s then %s tok/s): the machine's "
+                    "load changed during the bench, so its speedups are not figures; rerun on a quiet machine",
+                    100 * drift, [round(x, 2) for x in first], [round(x, 2) for x in last])
+    return {"baseline_tok_s": {k: (a + b) / 2 for k, a, b in zip(keys, first, last)},
+            "baseline_runs": [dict(zip(keys, first)), dict(zip(keys, last))],
+            "baseline_drift": drift, "noisy": noisy}
 
 
 def _offline_tau(path) -> dict:

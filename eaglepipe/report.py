@@ -60,6 +60,9 @@ def served_section(bench: dict) -> list[str]:
         offline = f"{r['offline_tau']:.3f}" if r["offline_tau"] is not None else "-"
         lines.append(f"| {k} | {r['served_tau']:.3f} | {offline} | {'yes' if r['agrees'] else 'NO'} | "
                      f"{r['tok_s']['batch_1']:.1f} | {r['speedup']['batch_1']:.2f}x | {r['speedup'][batch]:.2f}x |")
+    if bench.get("noisy"):
+        lines += ["", f"**Speedups not figures:** the target alone ran {100 * bench['baseline_drift']:.0f} % apart "
+                  "before and after the drafts (the machine's load changed); rerun the bench on a quiet machine."]
     diagnosis = bench.get("diagnosis")
     if diagnosis:
         lines += ["", f"**Diagnosis** (k={diagnosis['k']}, {diagnosis['prompts']} prompts): {diagnosis['finding']}", "",

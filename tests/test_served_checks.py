@@ -96,3 +96,13 @@ def test_planted_off_by_one_layer_id_is_caught_and_named(full_run, tmp_path):
     assert by_variant["aux layer ids -1"]["served_tau"] > by_variant["as served"]["served_tau"]
     assert cause in (workdir / "logs/bench.log").read_text()
     assert cause in (workdir / "results/report/summary.md").read_text()
+
+
+def test_baseline_drift_marks_a_bench_whose_machine_load_changed():
+    from eaglepipe.bench import baseline_speed
+
+    steady = baseline_speed((10.0, 40.0), (9.5, 41.0), "batch_8")
+    assert steady["baseline_tok_s"] == {"batch_1": 9.75, "batch_8": 40.5} and not steady["noisy"]
+    assert steady["baseline_runs"] == [{"batch_1": 10.0, "batch_8": 40.0}, {"batch_1": 9.5, "batch_8": 41.0}]
+    loaded = baseline_speed((2.0, 23.0), (8.0, 24.0), "batch_8")  # batch 1 timed while a neighbour ran
+    assert loaded["noisy"] and loaded["baseline_drift"] == 0.75

@@ -71,6 +71,9 @@ def test_every_artifact_is_produced_and_consistent(first_run):
     k2 = served["k"]["2"]
     assert k2["drafts"] > 0 and len(k2["per_position"]) == 2 and k2["offline_tau"] == acceptance["tau"]["2"]
     assert served["baseline_tok_s"]["batch_1"] > 0 and k2["speedup"]["batch_4"] > 0
+    before, after = served["baseline_runs"]  # the target alone timed on both sides of the drafts
+    assert served["baseline_tok_s"]["batch_4"] == pytest.approx((before["batch_4"] + after["batch_4"]) / 2)
+    assert k2["speedup"]["batch_1"] == pytest.approx(k2["tok_s"]["batch_1"] / served["baseline_tok_s"]["batch_1"])
     summary = (workdir / "results/report/summary.md").read_text()
     assert "Offline acceptance" in summary and "Draft vocabulary 512" in summary and "Served through vLLM" in summary
     checks = json.loads((workdir / "results/export/checks.json").read_text())
