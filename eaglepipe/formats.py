@@ -127,6 +127,10 @@ def stable_hash(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
 
 
+_DTYPE_NAMES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I32": torch.int32,
+                "I64": torch.int64, "U8": torch.uint8, "BOOL": torch.bool, "I8": torch.int8}
+
+
 def write_hidden_shard(path, tensors: dict[str, torch.Tensor], metadata: dict) -> None:
     for key, dtype in SHARD_KEYS.items():
         if tensors[key].dtype != dtype:
@@ -136,27 +140,34 @@ def write_hidden_shard(path, tensors: dict[str, torch.Tensor], metadata: dict) -
                   metadata={"eaglepipe": json.dumps(metadata, sort_keys=True)})
 
 
-def read_hidden_shard(path) -> tuple[dict[str, torch.Tensor], dict]:
-    """Load one hidden-state shard and check its keys, dtypes and shapes against the format."""
+STATE_KEYS = ("aux", "final")  # the large tensors of a shard; the others are per-token ids and masks
+
+
+def read_hidden_shard(path, *, states: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
+    """Load one hidden-state shard and check its keys, dtypes and shapes against the format. states=False leaves
+    the large aux and final tensors on disk: the result holds the ids and masks, and the states' shapes are
+    checked from the header (read them with safe_open's get_slice, a block at a time)."""
     with safe_open(str(path), framework="pt") as f:
         keys = set(f.keys())
         missing = set(SHARD_KEYS) - keys
         if missing:
             raise ValueError(f"hidden-state shard {path}: missing tensors {sorted(missing)}")
-        tensors = {k: f.get_tensor(k) for k in SHARD_KEYS}
+        tensors = {k: f.get_tensor(k) for k in SHARD_KEYS if states or k not in STATE_KEYS}
+        layout = {k: (tuple(f.get_slice(k).get_shape()), _DTYPE_NAMES.get(f.get_slice(k).get_dtype(), f.get_slice(k).get_dtype()))
+                  for k in SHARD_KEYS}
         metadata = json.loads((f.metadata() or {}).get("eaglepipe", "{}"))
     t = tensors["input_ids"].shape[0]
     cu = tensors["cu_seqlens"]
     problems = []
     for key, dtype in SHARD_KEYS.items():
-        if tensors[key].dtype != dtype:
-            problems.append(f"{key} has dtype {tensors[key].dtype}, expected {dtype}")
-    if tensors["loss_mask"].shape != (t,):
-        problems.append(f"loss_mask shape {tuple(tensors['loss_mask'].shape)} != ({t},)")
-    if tensors["aux"].ndim != 3 or tensors["aux"].shape[0] != t:
-        problems.append(f"aux shape {tuple(tensors['aux'].shape)} does not start with {t} tokens")
-    if tensors["final"].ndim != 2 or tensors["final"].shape[0] != t:
-        problems.append(f"final shape {tuple(tensors['final'].shape)} does not start with {t} tokens")
+        if layout[key][1] != dtype:
+            problems.append(f"{key} has dtype {layout[key][1]}, expected {dtype}")
+    if layout["loss_mask"][0] != (t,):
+        problems.append(f"loss_mask shape {layout['loss_mask'][0]} != ({t},)")
+    if len(layout["aux"][0]) != 3 or layout["aux"][0][0] != t:
+        problems.append(f"aux shape {layout['aux'][0]} does not start with {t} tokens")
+    if len(layout["final"][0]) != 2 or layout["final"][0][0] != t:
+        problems.append(f"final shape {layout['final'][0]} does not start with {t} tokens")
     if cu.ndim != 1 or cu.numel() < 1 or int(cu[0]) != 0 or int(cu[-1]) != t or bool((cu[1:] < cu[:-1]).any()):
         problems.append("cu_seqlens is not a non-decreasing sequence from 0 to the token count")
     if problems:

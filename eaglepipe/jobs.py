@@ -190,6 +190,7 @@ def validate_shards(smk) -> None:
         {f"{Path(p).parent.name}/{Path(p).stem}": p for p in smk.input.traces},
         smk.output.validation,
         max_length=smk.params.max_length,
+        threads=smk.threads,
     )
 
 
@@ -200,7 +201,7 @@ def train(smk) -> None:
     from . import train as stage
     from . import validate
 
-    validate.verify_shards(smk.input.manifest, smk.input.shards)
+    validate.verify_shards(smk.input.manifest, smk.input.shards, smk.threads)
     manifest = json.loads(Path(smk.input.manifest).read_text())
     settings = smk.params.train
     stage.launch(
@@ -223,7 +224,7 @@ def evaluate(smk) -> None:
     from . import evaluate as stage
     from . import validate
 
-    validate.verify_shards(smk.input.manifest, smk.input.shards)
+    validate.verify_shards(smk.input.manifest, smk.input.shards, smk.threads)
     stage.run(
         list(smk.input.shards),
         Path(smk.input.model).parent,

@@ -4,21 +4,28 @@ A shard passes when its sha256 equals the one its hidden_states job recorded as 
 gathers those records), its tensors have the format's keys, dtypes and shapes, its
 tokens are exactly the trace rows' tokens (same ids, same order, same truncation), its layer ids and target
 fingerprint are the manifest's, and its hidden states hold no NaN or Inf. validation.json lists each shard's checks.
+Shards are checked in parallel (one thread each, up to the job's threads; hashing and the block-wise NaN scan release
+the GIL), and the states are read through a memory map a block of rows at a time, so a shard of any size needs no
+more memory than a block.
 """
+
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
-from .formats import read_hidden_shard, read_table, sha256_file, write_json
+from .formats import STATE_KEYS, read_hidden_shard, read_table, sha256_file, write_json
 from .hidden_states import sequences_of
 
 log = logging.getLogger(__name__)
+FINITE_BLOCK_ROWS = 1 << 16  # rows of aux/final scanned for NaN/Inf at a time
 
 
 class ShardError(ValueError):
@@ -37,16 +44,24 @@ def check_checksum(path, entry: dict) -> None:
                          f"extraction (disk or copy damage?); delete {path} so its job re-runs")
 
 
-def verify_shards(manifest_path, shard_paths) -> None:
+def parallel(function, items, threads: int) -> list:
+    """function over items on up to `threads` threads, results in the items' order; the first error is raised."""
+    items = list(items)
+    if threads <= 1 or len(items) <= 1:
+        return [function(x) for x in items]
+    with ThreadPoolExecutor(min(threads, len(items))) as pool:
+        return list(pool.map(function, items))
+
+
+def verify_shards(manifest_path, shard_paths, threads: int = 1) -> None:
     """Before training or evaluation reads them: every shard's bytes against its recorded sha256 (ShardError)."""
     manifest = json.loads(Path(manifest_path).read_text())
     recorded = {os.path.normpath(e["path"]): e for e in manifest["shards"]}
     for path in shard_paths:
-        entry = recorded.get(os.path.normpath(path))
-        if entry is None:
+        if os.path.normpath(path) not in recorded:
             raise ShardError(f"hidden-state shard {path}: not listed in {manifest_path}; delete {manifest_path} "
                              "so the manifest rule gathers the shards' records again")
-        check_checksum(path, entry)
+    parallel(lambda path: check_checksum(path, recorded[os.path.normpath(path)]), shard_paths, threads)
     log.info("%d shards match the sha256 recorded when they were written", len(shard_paths))
 
 
@@ -56,7 +71,7 @@ def check_shard(entry: dict, manifest: dict, trace_path, max_length: int) -> Non
     where = f"hidden-state shard {path}"
     check_checksum(path, entry)
     try:
-        tensors, meta = read_hidden_shard(path)
+        tensors, meta = read_hidden_shard(path, states=False)
     except Exception as err:  # safetensors raises its own types for damaged headers
         raise ShardError(f"{where}: unreadable ({err})") from None
     if meta.get("layer_ids") != manifest["layer_ids"] or meta.get("target_fingerprint") != manifest["target_fingerprint"]:
@@ -69,20 +84,35 @@ def check_shard(entry: dict, manifest: dict, trace_path, max_length: int) -> Non
                          f"{expected.numel()} tokens); delete {path} so its hidden_states job re-runs")
     if int(tensors["loss_mask"].sum()) != sum(map(sum, masks)) or entry["tokens"] != expected.numel():
         raise ShardError(f"{where}: loss-mask or token counts differ from the traces and the manifest")
-    for key in ("aux", "final"):
-        bad = ~torch.isfinite(tensors[key])
-        if bad.any():
-            position = int(bad.nonzero()[0][0])
-            raise ShardError(f"{where}: {int(bad.sum())} NaN/Inf values in '{key}', first at token {position}")
+    check_finite(path, where)
 
 
-def run(manifest_path, trace_paths: dict[str, str], output_path, *, max_length: int) -> None:
+def check_finite(path, where: str, block_rows: int = FINITE_BLOCK_ROWS) -> None:
+    """No NaN or Inf in the shard's states, read a block of rows at a time through a memory map."""
+    with safe_open(str(path), framework="pt") as f:
+        for key in STATE_KEYS:
+            view = f.get_slice(key)
+            rows = view.get_shape()[0]
+            bad_total, first = 0, None
+            for start in range(0, rows, block_rows):
+                bad = ~torch.isfinite(view[start:start + block_rows])
+                count = int(bad.sum())
+                if count and first is None:
+                    first = start + int(bad.nonzero()[0][0])
+                bad_total += count
+            if bad_total:
+                raise ShardError(f"{where}: {bad_total} NaN/Inf values in '{key}', first at token {first}")
+
+
+def run(manifest_path, trace_paths: dict[str, str], output_path, *, max_length: int, threads: int = 1) -> None:
     manifest = json.loads(Path(manifest_path).read_text())
-    checked = []
-    for entry in manifest["shards"]:
+
+    def one(entry: dict) -> dict:
         name = Path(entry["path"]).relative_to(Path(entry["path"]).parents[1]).with_suffix("").as_posix()
         check_shard(entry, manifest, trace_paths[name], max_length)
-        checked.append({"path": entry["path"], "sha256": entry["sha256"], "tokens": entry["tokens"], "ok": True})
         log.info("%s ok (%d tokens)", entry["path"], entry["tokens"])
+        return {"path": entry["path"], "sha256": entry["sha256"], "tokens": entry["tokens"], "ok": True}
+
+    checked = parallel(one, manifest["shards"], threads)
     write_json(output_path, {"shards": checked, "checks": ["sha256", "format", "tokens match traces",
                                                            "layer ids and target", "finite"]})

@@ -84,6 +84,12 @@ def shards(pattern, splits=SPLITS):
     return expand(pattern, split=splits, i=SHARDS)
 
 
+def split_shards(pattern):
+    """The job's stage for its disk estimate: the shards of its own split (a train job's size says nothing of the
+    eval shards, a few percent of it)."""
+    return lambda wildcards: shards(pattern, [wildcards.split])
+
+
 def bench_inputs():
     """The draft the bench serves, its offline acceptance, the eval prompts and traces: this workflow's own outputs,
     or with bench.draft a draft bundle's files (format: eaglepipe.bundle), so no rule upstream of the bench runs."""

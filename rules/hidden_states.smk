@@ -18,7 +18,7 @@ rule hidden_states:
         hidden_states=config["hidden_states"],
         # Completed chunks for resume after a crash: not an output, so Snakemake keeps it when the job fails.
         progress="results/.progress/hidden_states/{split}/shard-{i}",
-        stage=shards("results/hidden_states/{split}/shard-{i}.safetensors"),
+        stage=split_shards("results/hidden_states/{split}/shard-{i}.safetensors"),
     threads: config["engine"]["threads"]
     resources:
         gpu=config["engine"]["gpus"],
@@ -60,6 +60,7 @@ rule validate_shards:
         validation="results/hidden_states/validation.json",
     params:
         max_length=config["hidden_states"]["max_length"],
+    threads: workflow.cores  # shards are hashed and scanned in parallel, one thread each
     log:
         "logs/validate_shards.log",
     script:

@@ -12,7 +12,7 @@ rule traces:
         generation=config["generation"],
         # Completed chunks for resume after a crash: not an output, so Snakemake keeps it when the job fails.
         progress="results/.progress/traces/{split}/shard-{i}",
-        stage=shards("results/traces/{split}/shard-{i}.parquet"),
+        stage=split_shards("results/traces/{split}/shard-{i}.parquet"),
         chat_template=config["target"]["chat_template"],
         reasoning=config["target"]["reasoning"],
     threads: config["engine"]["threads"]

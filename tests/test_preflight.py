@@ -4,6 +4,7 @@ The functions fed here are the ones the engine jobs run on GPU machines; only nv
 """
 
 import logging
+import re
 import shutil
 import time
 from pathlib import Path
@@ -109,6 +110,19 @@ def test_disk_check_fails_the_job_before_the_engine_loads(tmp_path, tiny_target)
     assert "preflight.reserve_disk_gib keeps" in log and "Loading weights" not in log
     assert not list((tmp_path / "results/traces").rglob("*.parquet"))
     print(f"the failing workflow (prompts job, then the failed traces job) took {elapsed:.0f} s")
+
+
+def test_disk_estimate_counts_the_shards_of_the_jobs_own_split(tmp_path, tiny_target):
+    """A train job's estimate covers the train shards not yet written (and its resume copy), not the eval shards:
+    those are a few percent of its size, and counting them at its size stopped a run whose data fitted the disk."""
+    config = tiny_config(tiny_target, preflight={"reserve_disk_gib": 1e9}, generation={"num_shards": 2})
+    result = snakemake(tmp_path, config, "results/traces/train/shard-0.parquet", check=False)
+    assert result.returncode != 0
+    log = (tmp_path / "logs/traces/train/shard-0.log").read_text()
+    needed = int(re.search(r"GiB needed \((\d+) bytes\)", log).group(1))
+    job = preflight.traces_estimate(tmp_path / "results/prompts/train.parquet", 0, 2,
+                                    config["generation"]["max_new_tokens"])
+    assert job > 0 and needed == job * (2 + 1), f"{needed} bytes is not 2 train shards + the resume copy of {job}"
 
 
 def test_layer_ids_beyond_the_targets_depth(tiny_target):

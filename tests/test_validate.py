@@ -3,6 +3,7 @@ damaged after a finished run fails the run against the sha256 its extraction job
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from safetensors import safe_open
@@ -32,7 +33,7 @@ def flip_middle(shard, n=64):
     shard.write_bytes(bytes(data))
 
 
-def check(workdir, tmp_path, damage, rehash=False):
+def check(workdir, tmp_path, damage, rehash=False, threads=1):
     """Copy the run, damage train shard 0, validate the copy. rehash: the damage happened before the manifest
     was written (e.g. NaN from the extraction itself), so the manifest's checksum matches the damaged file."""
     copy = tmp_path / "run"
@@ -45,7 +46,7 @@ def check(workdir, tmp_path, damage, rehash=False):
             entry["sha256"] = sha256_file(entry["path"])
     (copy / "manifest.json").write_text(json.dumps(manifest))
     traces = {f"{p.parent.name}/{p.stem}": str(p) for p in (copy / "results/traces").rglob("*.parquet")}
-    validate.run(copy / "manifest.json", traces, copy / "validation.json", max_length=128)
+    validate.run(copy / "manifest.json", traces, copy / "validation.json", max_length=128, threads=threads)
 
 
 def rewrite(change):
@@ -63,6 +64,35 @@ def test_intact_shards_pass(built, tmp_path):
     check(built, tmp_path, lambda shard: None)
     report = json.loads((tmp_path / "run/validation.json").read_text())
     assert len(report["shards"]) == 4 and all(s["ok"] for s in report["shards"])
+
+
+def test_parallel_validation_reports_what_the_serial_one_does(built, tmp_path):
+    check(built, tmp_path / "serial", lambda shard: None)
+    check(built, tmp_path / "parallel", lambda shard: None, threads=4)
+    serial, parallel = ([(str(Path(s["path"]).relative_to(tmp_path / name / "run")), s["sha256"], s["tokens"])
+                         for s in json.loads((tmp_path / f"{name}/run/validation.json").read_text())["shards"]]
+                        for name in ("serial", "parallel"))
+    assert len(serial) == 4 and serial == parallel
+    with pytest.raises(validate.ShardError, match=r"train/shard-0.safetensors: sha256 .* differs"):
+        check(built, tmp_path / "damaged", flip_middle, threads=4)
+
+
+@pytest.mark.parametrize("block_rows", [1, 4, 7, 1 << 16])
+def test_nan_scan_counts_and_places_across_blocks(built, tmp_path, block_rows):
+    """The states are scanned a block of rows at a time: every block size finds all planted values and the first."""
+    shard = tmp_path / "shard.safetensors"
+    shutil.copy(built / SHARD, shard)
+
+    def plant(t):
+        t["final"][9, 0] = float("inf")
+        t["final"][2, 4] = float("nan")
+        t["final"][t["final"].shape[0] - 1, 1] = float("nan")
+
+    rewrite(plant)(shard)
+    with pytest.raises(validate.ShardError, match=r"3 NaN/Inf values in 'final', first at token 2$"):
+        validate.check_finite(shard, "shard", block_rows=block_rows)
+    shutil.copy(built / SHARD, shard)
+    validate.check_finite(shard, "shard", block_rows=block_rows)
 
 
 def test_flipped_bytes_fail_the_checksum(built, tmp_path):

@@ -58,6 +58,7 @@ quality)
     LIMIT=${LIMIT:-520}
     export CUDA_VISIBLE_DEVICES=0   # one GPU: no slot claiming (a job left over from an earlier call cannot block)
     pkill -f "python3 -m snakemake -s" 2>/dev/null; sleep 1
+    rm -rf $W/.snakemake/locks   # a call killed at its limit leaves the lock of a Snakemake no longer running
     cat > /root/gpu.yaml <<Y
 target: {path: $T}
 Y
@@ -68,7 +69,10 @@ Y
         ${@:-results/eval/acceptance.json} $C > $OUT/quality-snakemake.log 2>&1 &
     smk=$!
     # The watcher's output goes nowhere: a sleep left holding the call's stdout would keep the call open to its end.
-    ( sleep $LIMIT; pkill -USR1 -f "snakemake/scripts/tmp"; sleep 5; kill -INT $smk ) >/dev/null 2>&1 &
+    # Snakemake waits for running jobs after SIGINT; 15 s later they are killed (a job resumes from its units), so the
+    # call ends by LIMIT + 25 s.
+    ( sleep $LIMIT; pkill -USR1 -f "snakemake/scripts/tmp"; sleep 5; kill -INT $smk; sleep 15
+      pkill -KILL -f "snakemake/scripts/tmp"; sleep 3; kill -KILL $smk ) >/dev/null 2>&1 &
     watcher=$!
     wait $smk
     rc=$?
