@@ -16,10 +16,14 @@ def summary(*, target: str, trace_stats, coverage, manifest, train_log, acceptan
     stats, cov, man, acc = _load(trace_stats), _load(coverage), _load(manifest), _load(acceptance)
     log = [json.loads(line) for line in Path(train_log).read_text().splitlines() if line.strip()]
     lines = [f"# eaglepipe summary: {target}", "", "## Traces", "",
-             "| split | samples | errors | truncated | prompt tokens | output tokens |", "|---|---|---|---|---|---|"]
+             "| split | samples | errors | truncated | ends in a loop | prompt tokens | output tokens | "
+             "response tokens p10 / p50 / p90 / max |", "|---|---|---|---|---|---|---|---|"]
     for split, s in stats.items():
+        n = s["response_tokens"]
         lines.append(f"| {split} | {s['samples']} | {s['errors']} | {100 * s['truncated_share']:.1f} % | "
-                     f"{s['prompt_tokens']} | {s['output_tokens']} |")
+                     f"{100 * s['looping_share']:.1f} % ({100 * s['looping_token_share']:.1f} % of tokens) | "
+                     f"{s['prompt_tokens']} | {s['output_tokens']} | "
+                     f"{n['p10']:.0f} / {n['p50']:.0f} / {n['p90']:.0f} / {n['max']} |")
     lines += ["", "## Vocabulary", "",
               f"Draft vocabulary {cov['draft_vocab_size']} of {cov['target_vocab_size']} covers "
               f"**{100 * cov['coverage']:.2f} %** of {cov['counted_tokens']} generated tokens "

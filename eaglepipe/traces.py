@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
+
 from . import reasoning
 from .engines import open_engine
 from .engines.base import EngineSettings, Sampling
@@ -79,17 +81,50 @@ def run(prompts_path, output_path, *, target_dir, split: str, shard: int, num_sh
     units.finish(-(-len(prompts) // chunk_size))
 
 
+LOOP_MAX_PERIOD = 64  # longest repeating cycle looked for at a response's end, in tokens
+LOOP_MIN_REPEATS = 3  # a cycle seen this many times in a row ...
+LOOP_MIN_TOKENS = 32  # ... covering at least this many tokens is a loop
+
+
+def trailing_loop(ids: list[int]) -> tuple[int, int]:
+    """(period, repeated tokens) of the loop a response ends in, (0, 0) when it ends in none. A loop is a cycle of
+    at most LOOP_MAX_PERIOD tokens repeated LOOP_MIN_REPEATS times or more over LOOP_MIN_TOKENS or more at the
+    end; its repeated tokens are those after the cycle's first occurrence (a model that loops makes them trivial to
+    draft). The period with the most repeated tokens wins, the shortest on a tie."""
+    x = np.asarray(ids, dtype=np.int64)
+    best = (0, 0)
+    for period in range(1, min(LOOP_MAX_PERIOD, len(x) // LOOP_MIN_REPEATS) + 1):
+        same = x[period:] == x[:-period]
+        run = len(same) if same.all() else int(np.argmin(same[::-1]))  # equal positions counted from the end
+        span = run + period
+        if span >= max(LOOP_MIN_REPEATS * period, LOOP_MIN_TOKENS) and run > best[1]:
+            best = (period, run)
+    return best
+
+
+def length_figures(lengths: list[int]) -> dict:
+    """Mean, percentiles and maximum of response lengths in tokens (empty list: zeros)."""
+    a = np.asarray(lengths or [0], dtype=np.float64)
+    return {"mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in (10, 50, 90, 99)},
+            "max": int(a.max())}
+
+
 def stats(shard_paths: list[str], output_path) -> None:
-    """Aggregate figures of all trace shards: samples, errors, truncation, tokens, reasoning capture."""
+    """Aggregate figures of all trace shards: samples, errors, truncation, tokens, the response length distribution,
+    responses that end in a loop (trailing_loop), reasoning capture."""
     out = {}
     for split in ("train", "eval"):
         rows = [r for p in shard_paths for r in read_table(p, TRACE_SCHEMA) if r["split"] == split]
         ok = [r for r in rows if not r["error"]]
+        loops = [trailing_loop(r["output_ids"]) for r in ok]
         out[split] = {
             **reasoning.stats(rows),
             "samples": len(rows), "errors": len(rows) - len(ok),
             "truncated_share": sum(r["finish_reason"] == "length" for r in ok) / max(len(ok), 1),
             "prompt_tokens": sum(r["prompt_tokens"] for r in ok),
             "output_tokens": sum(r["output_tokens"] for r in ok),
+            "response_tokens": length_figures([r["output_tokens"] for r in ok]),
+            "looping_share": sum(period > 0 for period, _ in loops) / max(len(ok), 1),
+            "looping_token_share": sum(n for _, n in loops) / max(sum(r["output_tokens"] for r in ok), 1),
         }
     write_json(output_path, out)

@@ -48,6 +48,9 @@ def test_every_artifact_is_produced_and_consistent(first_run):
     stats = json.loads((workdir / "results/traces/stats.json").read_text())
     n_prompts = sum(len(read_table(workdir / f"results/prompts/{s}.parquet")) for s in ("train", "eval"))
     assert stats["train"]["samples"] + stats["eval"]["samples"] == n_prompts == 24
+    lengths = stats["train"]["response_tokens"]
+    assert lengths["max"] <= 12 and lengths["mean"] * stats["train"]["responses"] == pytest.approx(
+        stats["train"]["output_tokens"])
     row = read_table(workdir / "results/traces/train/shard-0.parquet")[0]
     assert row["prompt_ids"][:1] == [1] and 0 < row["output_tokens"] <= 12
     manifest = json.loads((workdir / "results/hidden_states/manifest.json").read_text())
@@ -76,6 +79,8 @@ def test_every_artifact_is_produced_and_consistent(first_run):
     assert k2["speedup"]["batch_1"] == pytest.approx(k2["tok_s"]["batch_1"] / served["baseline_tok_s"]["batch_1"])
     summary = (workdir / "results/report/summary.md").read_text()
     assert "Offline acceptance" in summary and "Draft vocabulary 512" in summary and "Served through vLLM" in summary
+    assert f"{100 * stats['train']['looping_share']:.1f} % ({100 * stats['train']['looping_token_share']:.1f} % of " \
+           "tokens)" in summary
     checks = json.loads((workdir / "results/export/checks.json").read_text())
     assert checks["sglang"]["layer_ids"] == [1, 3, 4] and checks["vllm"]["layer_ids"] == [2, 4, 5]
     assert all((workdir / f"results/report/{n}.png").read_bytes().startswith(b"\x89PNG")
