@@ -153,8 +153,8 @@ def read_hidden_shard(path, *, states: bool = True) -> tuple[dict[str, torch.Ten
         if missing:
             raise ValueError(f"hidden-state shard {path}: missing tensors {sorted(missing)}")
         tensors = {k: f.get_tensor(k) for k in SHARD_KEYS if states or k not in STATE_KEYS}
-        layout = {k: (tuple(f.get_slice(k).get_shape()), _DTYPE_NAMES.get(f.get_slice(k).get_dtype(), f.get_slice(k).get_dtype()))
-                  for k in SHARD_KEYS}
+        slices = {k: f.get_slice(k) for k in SHARD_KEYS}
+        layout = {k: (tuple(v.get_shape()), _DTYPE_NAMES.get(v.get_dtype(), v.get_dtype())) for k, v in slices.items()}
         metadata = json.loads((f.metadata() or {}).get("eaglepipe", "{}"))
     t = tensors["input_ids"].shape[0]
     cu = tensors["cu_seqlens"]

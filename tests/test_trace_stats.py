@@ -27,7 +27,8 @@ def test_trailing_loop(ids, expected):
 
 def row(i, output_ids, split="train", finish="length", error=None):
     return {"id": f"q{i}", "split": split, "messages": "[]", "prompt_ids": [1, 2], "output_ids": output_ids,
-            "text": "", "reasoning": "", "response": "x", "reasoning_status": "", "loss_spans": [2, 2 + len(output_ids)],
+            "text": "", "reasoning": "", "response": "x", "reasoning_status": "",
+            "loss_spans": [2, 2 + len(output_ids)],
             "turns": 1, "finish_reason": finish, "prompt_tokens": 2, "output_tokens": len(output_ids), "error": error}
 
 
@@ -38,7 +39,8 @@ def test_stats_report_lengths_and_loops(tmp_path):
     traces.stats([str(tmp_path / "shard-0.parquet")], tmp_path / "stats.json")
     train = json.loads((tmp_path / "stats.json").read_text())["train"]
     assert train["responses"] == 3 and train["errors"] == 1
-    assert train["response_tokens"] == {"mean": pytest.approx(160 / 3), "p10": 44.0, "p50": 60.0, "p90": 60.0, "p99": 60.0, "max": 60}
+    assert train["response_tokens"] == {"mean": pytest.approx(160 / 3), "p10": 44.0, "p50": 60.0, "p90": 60.0,
+                                        "p99": 60.0, "max": 60}
     assert train["looping_share"] == pytest.approx(1 / 3)
     assert train["looping_token_share"] == pytest.approx(48 / 160)  # 50 loop tokens, the first cycle (2) not counted
     assert train["truncated_share"] == pytest.approx(1 / 3)
