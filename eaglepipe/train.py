@@ -174,14 +174,32 @@ def init_draft(config: DraftConfig, vocab: dict, draft_head: torch.Tensor, seed:
     return model
 
 
+def kept_sequences(cu_seqlens: list[torch.Tensor], settings: dict) -> list[list[int]] | None:
+    """The sequences of each shard that training uses: all (None), or with train.data_fraction < 1 a random subset
+    of each shard from the seed (at least one sequence), sorted; a smaller fraction's subset lies inside a larger's."""
+    fraction = settings.get("data_fraction", 1.0)
+    if fraction >= 1:
+        return None
+    kept = []
+    for s, cu in enumerate(cu_seqlens):
+        n = cu.numel() - 1
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(settings["seed"] * 1_000_003 + s))
+        kept.append(sorted(order[:max(1, round(fraction * n))].tolist()))
+    return kept
+
+
 def schedule(cu_seqlens: list[torch.Tensor], settings: dict) -> list[tuple[int, int, list[int]]]:
     """Every global batch in training order as (epoch, shard index, sequence indices), from the seed alone."""
     rng = torch.Generator().manual_seed(settings["seed"])
+    kept = kept_sequences(cu_seqlens, settings)
+    keep = None if kept is None else [set(k) for k in kept]
     order = []
     for epoch in range(settings["epochs"]):
         for s in torch.randperm(len(cu_seqlens), generator=rng).tolist():
             n = cu_seqlens[s].numel() - 1
             perm = torch.randperm(n, generator=rng).tolist()
+            if keep is not None:  # the same draws as with all sequences: the full run's order is unchanged
+                perm = [i for i in perm if i in keep[s]]
             order += [(epoch, s, b) for b in plan(cu_seqlens[s], settings["max_batch_tokens"], perm)]
     return order
 

@@ -24,19 +24,22 @@ def first_run(tmp_path_factory, tiny_target):
     return workdir, config
 
 
-def test_data_scaling_trains_prefixes_of_the_train_shards_and_reproduces_the_full_run(first_run, tmp_path):
+def test_data_scaling_trains_shares_of_the_train_data_and_reproduces_the_full_run(first_run, tmp_path):
     from eaglepipe.tools import scaling
 
     workdir, _ = first_run
     result = scaling.main(["--directory", str(workdir), "--configfile", str(REPO / "config" / "config.yaml"),
-                           str(workdir / "test-config.yaml"), "--shards", "1,2", "--scratch", str(tmp_path / "scratch"),
-                           "--json", str(tmp_path / "scaling.json"), "--plot", str(tmp_path / "scaling.png")])
+                           str(workdir / "test-config.yaml"), "--fractions", "0.5,1", "--scratch",
+                           str(tmp_path / "scratch"), "--json", str(tmp_path / "scaling.json"), "--plot",
+                           str(tmp_path / "scaling.png")])
     manifest = json.loads((workdir / "results/hidden_states/manifest.json").read_text())
-    train = sorted((s for s in manifest["shards"] if s["split"] == "train"), key=lambda s: s["path"])
-    one, both, full = result["points"]
-    assert (one["shards"], one["train_tokens"], one["conversations"]) == (1, train[0]["tokens"], train[0]["samples"])
-    assert both["train_tokens"] == full["train_tokens"] == manifest["tokens"]["train"] > one["train_tokens"]
-    # The same recipe on all shards is the train rule's run: the same draft, so the evaluate rule's exact figures.
+    train = [s for s in manifest["shards"] if s["split"] == "train"]
+    half, both, full = result["points"]
+    assert half["fraction"] == 0.5 and both["fraction"] == full["fraction"] == 1.0
+    assert half["conversations"] == sum(max(1, round(s["samples"] / 2)) for s in train)
+    assert both["conversations"] == full["conversations"] == sum(s["samples"] for s in train)
+    assert both["train_tokens"] == full["train_tokens"] == manifest["tokens"]["train"] > half["train_tokens"] > 0
+    # The same recipe on all the data is the train rule's run: the same draft, so the evaluate rule's exact figures.
     assert both["tau"] == full["tau"] == json.loads((workdir / "results/eval/acceptance.json").read_text())["tau"]
     assert json.loads((tmp_path / "scaling.json").read_text())["points"] == result["points"]
     assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

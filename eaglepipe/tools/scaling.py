@@ -1,16 +1,16 @@
-"""Data scaling: offline tau against training tokens, by training the same recipe on 1, 2, 4, ... of the train shards.
+"""Data scaling: offline tau against training tokens, by training the same recipe on shares of the train data.
 
     python -m eaglepipe.tools.scaling --directory /path/to/workdir \
         --configfile config/config.yaml config/examples/h200-quality.yaml \
         --json docs/measured/scaling.json --plot docs/measured/scaling.png
 
 Run it in a finished workflow's directory: it reads the hidden-state shards, the vocab map and the manifest there, and
-trains with the config's `train` settings (the same as the train rule) on the first n train shards (shards are
-partitioned by a hash of the prompt id, so each prefix is a random subset of conversations), for each n in --shards
-(default: powers of two below the shard count), then evaluates every draft on all eval shards as the evaluate rule does.
-The full-data point is the workflow's own results/eval/acceptance.json. Drafts go to --scratch and are removed.
-Writes one point per n (shards, conversations, training tokens, tau for k = 1..max_k) and a plot of tau(k) against
-training tokens (log scale).
+trains with the config's `train` settings (the same as the train rule) at each share f in --fractions (default 1/8,
+1/4, 1/2) of every train shard's sequences (train.data_fraction: a seeded random subset, each smaller share's inside
+the larger one's), then evaluates every draft on all eval shards as the evaluate rule does. The full-data point is
+the workflow's own results/eval/acceptance.json; a fraction of 1 retrains it (and reproduces it exactly). Drafts go
+to --scratch and are removed. Writes one point per share (fraction, conversations, training tokens, tau for
+k = 1..max_k, training seconds) and a plot of tau(k) against training tokens (log scale).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from .. import config as eaglepipe_config
-from .. import evaluate, train
+from .. import batches, evaluate, train
 
 log = logging.getLogger(__name__)
 
@@ -39,19 +39,22 @@ def load_config(files: list[str]) -> dict:
     return eaglepipe_config.validate(merged)
 
 
-def point(manifest: dict, paths: list[str], acceptance: dict, seconds: float | None) -> dict:
-    rows = {s["path"]: s for s in manifest["shards"]}
-    return {"shards": len(paths), "conversations": sum(rows[p]["samples"] for p in paths),
-            "train_tokens": sum(rows[p]["tokens"] for p in paths),
-            "loss_tokens": sum(rows[p]["loss_tokens"] for p in paths),
-            "tau": acceptance["tau"], "train_seconds": seconds}
+def point(paths: list[str], settings: dict, acceptance: dict, seconds: float | None) -> dict:
+    """One curve point: the conversations and tokens the training at settings["data_fraction"] used."""
+    cus = [batches.sequence_lengths(p) for p in sorted(paths)]
+    kept = train.kept_sequences(cus, settings) or [list(range(cu.numel() - 1)) for cu in cus]
+    max_tokens = settings["max_batch_tokens"]
+    tokens = sum(int((cu[1:] - cu[:-1]).clamp(max=max_tokens)[k].sum()) for cu, k in zip(cus, kept) if k)
+    return {"fraction": settings.get("data_fraction", 1.0), "conversations": sum(map(len, kept)),
+            "train_tokens": tokens, "tau": acceptance["tau"], "train_seconds": seconds}
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--directory", default=".")
     parser.add_argument("--configfile", nargs="+", required=True)
-    parser.add_argument("--shards", help="comma-separated shard counts (default: 1, 2, 4, ... below the total)")
+    parser.add_argument("--fractions", default="0.125,0.25,0.5",
+                        help="comma-separated shares of the train sequences, each in (0, 1]")
     parser.add_argument("--scratch", default="/tmp/eaglepipe-scaling")
     parser.add_argument("--json")
     parser.add_argument("--plot")
@@ -60,34 +63,35 @@ def main(argv=None) -> dict:
     cfg = load_config(args.configfile)
     work = Path(args.directory)
     manifest = json.loads((work / "results/hidden_states/manifest.json").read_text())
-    train_paths = sorted(s["path"] for s in manifest["shards"] if s["split"] == "train")
+    train_paths = sorted(str(work / s["path"]) for s in manifest["shards"] if s["split"] == "train")
     eval_paths = sorted(str(work / s["path"]) for s in manifest["shards"] if s["split"] == "eval")
     target = cfg["target"]["path"] or str(work / "resources/targets/smollm2-135m")
-    counts = ([int(n) for n in args.shards.split(",")] if args.shards
-              else [2**i for i in range(len(train_paths).bit_length()) if 2**i < len(train_paths)])
-    settings = {**cfg["train"], "gpus": 0, "processes": 1}
+    fractions = [float(f) for f in args.fractions.split(",")]
+    if not all(0 < f <= 1 for f in fractions):
+        raise SystemExit(f"--fractions {args.fractions}: each share must be in (0, 1]")
     points = []
-    for n in counts:
-        out = Path(args.scratch) / f"shards-{n}"
+    for f in fractions:
+        settings = {**cfg["train"], "gpus": 0, "processes": 1, "data_fraction": f}
+        out = Path(args.scratch) / f"fraction-{f:g}"
         shutil.rmtree(out, ignore_errors=True)
-        paths = train_paths[:n]
         start = time.monotonic()
-        train.run([str(work / p) for p in paths], work / "results/vocab/vocab_map.safetensors", out,
-                  target_dir=target, layer_ids=manifest["layer_ids"], settings=settings,
-                  threads=cfg["train"]["threads"], progress_dir=out / ".progress")
+        train.run(train_paths, work / "results/vocab/vocab_map.safetensors", out, target_dir=target,
+                  layer_ids=manifest["layer_ids"], settings=settings, threads=cfg["train"]["threads"],
+                  progress_dir=out / ".progress")
         seconds = time.monotonic() - start
-        e = cfg["evaluate"]  # as the evaluate rule runs it, so the all-shards point is the workflow's own figure
+        e = cfg["evaluate"]  # as the evaluate rule runs it, so a fraction of 1 gives the workflow's own figure
         evaluate.run(eval_paths, out, out / "acceptance.json", target_dir=target, max_k=e["max_k"],
                      max_tokens=e["max_batch_tokens"], threads=e["threads"], device=e["device"])
-        points.append(point(manifest, paths, json.loads((out / "acceptance.json").read_text()), seconds))
-        log.info("%d shards: %s training tokens, tau(3) %.3f", n, points[-1]["train_tokens"], points[-1]["tau"]["3"])
+        points.append(point(train_paths, settings, json.loads((out / "acceptance.json").read_text()), seconds))
+        log.info("fraction %g: %s training tokens, tau(3) %.3f", f, points[-1]["train_tokens"],
+                 points[-1]["tau"]["3"])
         shutil.rmtree(out, ignore_errors=True)
     full = json.loads((work / "results/eval/acceptance.json").read_text())
-    points.append(point(manifest, train_paths, full, None))
+    points.append(point(train_paths, cfg["train"], full, None))
     result = {"command": "python -m eaglepipe.tools.scaling " + " ".join(argv or sys.argv[1:]), "train": cfg["train"],
               "points": points}
     for p in points:
-        print(f"{p['shards']:3d} shards  {p['conversations']:7,d} conversations  {p['train_tokens']:11,d} tokens  "
+        print(f"fraction {p['fraction']:<6g} {p['conversations']:7,d} conversations  {p['train_tokens']:11,d} tokens  "
               f"tau(3) {p['tau']['3']:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
