@@ -60,7 +60,7 @@ rule validate_shards:
         validation="results/hidden_states/validation.json",
     params:
         max_length=config["hidden_states"]["max_length"],
-    threads: 8  # shards hashed and scanned in parallel, one thread each (a local run scales it down to --cores)
+    threads: config["hidden_states"]["validate_threads"]
     log:
         "logs/validate_shards.log",
     script:
