@@ -1,10 +1,14 @@
 # The one-H200 runs behind README "Fast on one GPU" and "A draft worth serving", one stage per device call (a call
-# runs at most 10 minutes; the machine keeps /root and /tmp between calls while it is warm).
+# runs at most 10 minutes; the machine keeps /root and /tmp between calls while it is warm, and it goes back after 30 s
+# idle: chain the calls with no pause, or the next call finds a bare machine and setup-a/setup-b must run again).
+# GGUF parts: split -b 37000000 SmolLM2-135M-Instruct.Q4_1.gguf gguf.part.; aa into .gguf/a, the rest into .gguf/b
+# (.whl, ~27 MB, plus part aa stay within one call's 64 MiB).
 #   bash tests/gpu/h200.sh setup-a   # carry .whl and .gguf/a: wheels the machine lacks, first half of the GGUF
 #   bash tests/gpu/h200.sh setup-b   # carry .gguf/b: second half; the embedded target converted as the target rule does
 #   bash tests/gpu/h200.sh bench     # generation and extraction (SmolLM2 and an 8B-shaped Llama) benchmarks
 #   bash tests/gpu/h200.sh bench-train  # draft training benchmark (Kimi-K2- and SmolLM2-shaped drafts)
-#   bash tests/gpu/h200.sh quality [TARGET...]   # the h200-quality workflow up to TARGET (default: the acceptance)
+#   bash tests/gpu/h200.sh quality [TARGET...]   # the h200-quality workflow up to TARGET (default: the acceptance
+#                                                # and the trace stats)
 #   bash tests/gpu/h200.sh scaling   # tau against training tokens on the finished workflow
 # Figures land in $OUT (the device tool brings them back) and in docs/measured/ once committed.
 set -u
@@ -24,7 +28,7 @@ setup-a)
         torch.cuda.get_device_name(0))"
     ;;
 setup-b)
-    mkdir -p /root/gguf && cat /root/gguf.part.aa .gguf/b/gguf.part.ab > /root/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+    mkdir -p /root/gguf && cat /root/gguf.part.aa .gguf/b/gguf.part.* > /root/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
     sha256sum /root/gguf/SmolLM2-135M-Instruct.Q4_1.gguf | cut -c1-16
     python3 - <<'PY'
 import shutil, sys
@@ -66,7 +70,7 @@ Y
     C="--configfile $PWD/config/config.yaml $PWD/config/examples/h200-quality.yaml /root/gpu.yaml"
     start=$(date +%s)
     python3 -m snakemake -s $PWD/Snakefile -d $W --cores 16 --resources gpu=1 --scheduler greedy --rerun-incomplete \
-        ${@:-results/eval/acceptance.json} $C > $OUT/quality-snakemake.log 2>&1 &
+        ${@:-results/eval/acceptance.json results/traces/stats.json} $C > $OUT/quality-snakemake.log 2>&1 &
     smk=$!
     # The watcher's output goes nowhere: a sleep left holding the call's stdout would keep the call open to its end.
     # Snakemake waits for running jobs after SIGINT; 15 s later they are killed (a job resumes from its units), so the
