@@ -2,8 +2,11 @@
 
 served.json: for each draft length k, mean acceptance length (1 + accepted / drafts, vLLM's spec-decode counters),
 per-position acceptance (accepted at position i / drafts) and output tokens/s with and without speculation at batch 1
-and at the configured batch; the speedup is their ratio. Offline tau at the same k (from the evaluate stage) sits
-beside the served figure, with `agrees` telling whether served is within the configured tolerance of offline.
+and at the configured batch; the speedup is their ratio. The prompts served are a seeded random sample of the eval
+split (bench.seed; `served_ids` lists them), not the first by id: ids group by source, so the first ones are one kind
+of prompt. Offline tau at the same k (from the evaluate stage) sits beside the served figure, over the same
+conversations when acceptance.json has their counts (`offline_scope`), with `agrees` telling whether served is within
+the configured tolerance of it; `offline_tau_all` is the whole eval split's.
 When served falls short beyond the tolerance, `diagnosis` holds served tau of the draft with its layer ids shifted and
 the prompts rendered in template variants (diagnose.py), and `cause` names the fault the best variant undoes;
 `skipped` says, one line each, which variants were not tried and why (traces' prompt ids under multi_turn `all`).
@@ -20,7 +23,10 @@ from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
+import random
+
 from . import diagnose as diagnose_mod
+from . import evaluate
 from .bundle import check_fits
 from .chat import load_tokenizer, render_chat
 from .engines import open_engine
@@ -43,20 +49,27 @@ def timed_generate(eng, prompts, sampling, batch: int) -> tuple[float, int]:
 def run(prompts_path, draft_dir, acceptance_path, output_path, *, target_dir, engine: dict, ks: list[int],
         batch_size: int, batch1_prompts: int, max_prompts: int, max_new_tokens: int, tolerance: float,
         template_kwargs: dict | None = None, traces: list | None = None, diagnose: bool = True,
-        diagnose_prompts: int = 4, chat_template: str | None = None, multi_turn: str = "last") -> None:
+        diagnose_prompts: int = 4, chat_template: str | None = None, multi_turn: str = "last",
+        seed: int | None = 0) -> None:
     template_kwargs = template_kwargs or {}
     check_fits(draft_dir, target_dir)  # before any engine loads: a draft of another target is named, not served
-    offline = _offline_tau(acceptance_path)
+    acceptance = _read_acceptance(acceptance_path)
     # The traces' override template (target.chat_template), when set, is the one served with.
     tokenizer = load_tokenizer(target_dir, read_template(chat_template) if chat_template else None)
-    rows = read_table(prompts_path, PROMPT_SCHEMA)[:max_prompts]
+    rows = served_rows(read_table(prompts_path, PROMPT_SCHEMA), max_prompts, seed)
+    same = evaluate.subset(acceptance, [r["id"] for r in rows])
+    offline = same["tau"] if same else acceptance["tau"]
+    scope = (f"the {same['sequences']} served conversations" if same else
+             "the whole eval split (acceptance.json has no by_sequence counts)")
+    log.info("serving %d eval prompts (seed %s); offline tau over %s: %s", len(rows), seed, scope,
+             {k: round(v, 3) for k, v in offline.items()})
     conversations = [json.loads(r["messages"]) for r in rows]
     # The bench renders as the traces stage did (same template kwargs), so a template fault shows as a shortfall.
     prompts = [render_chat(tokenizer, m, template_kwargs) for m in conversations]
     sampling = Sampling(max_new_tokens=max_new_tokens)
     base = EngineSettings.from_config({**engine, "name": "vllm", "batch_size": batch_size})
     results = {"prompts": len(prompts), "batch_size": batch_size, "max_new_tokens": max_new_tokens, "k": {},
-               "diagnosis": None}
+               "served_ids": [r["id"] for r in rows], "seed": seed, "offline_scope": scope, "diagnosis": None}
     diag_prompts = prompts[:diagnose_prompts]
     traced = _traced_prompt_ids(traces or [], [r["id"] for r in rows[:diagnose_prompts]])
     skipped = [f"{name}: {why}" for name, why in diagnose_mod.skipped_variants(multi_turn).items()]
@@ -110,7 +123,8 @@ def run(prompts_path, draft_dir, acceptance_path, output_path, *, target_dir, en
         tau = 1 + delta["accepted_tokens"] / drafts
         off = offline.get(str(k))
         results["k"][str(k)] = {
-            "served_tau": tau, "offline_tau": off, "per_position": [p / drafts for p in per_pos],
+            "served_tau": tau, "offline_tau": off, "offline_tau_all": acceptance["tau"].get(str(k)),
+            "per_position": [p / drafts for p in per_pos],
             "drafts": delta["drafts"], "tok_s": {"batch_1": b1, bn_key: bn},
             "agrees": off is not None and abs(tau - off) <= tolerance * off,
         }
@@ -157,10 +171,21 @@ def baseline_speed(first: tuple[float, float], last: tuple[float, float], bn_key
             "baseline_drift": drift, "noisy": noisy}
 
 
-def _offline_tau(path) -> dict:
-    """Offline tau by k (as a string) from the evaluate stage's acceptance.json."""
+def served_rows(rows: list[dict], max_prompts: int, seed: int | None) -> list[dict]:
+    """The eval prompts the bench serves: max_prompts of them drawn with `seed` from the rows in id order, or the
+    first max_prompts by id when seed is None."""
+    rows = sorted(rows, key=lambda r: r["id"])
+    if seed is None:
+        return rows[:max_prompts]
+    return random.Random(seed).sample(rows, min(max_prompts, len(rows)))
+
+
+def _read_acceptance(path) -> dict:
+    """The evaluate stage's acceptance.json (its tau by k as a string is checked)."""
     try:
-        return dict(json.loads(Path(path).read_text())["tau"])
+        acceptance = json.loads(Path(path).read_text())
+        acceptance["tau"] = dict(acceptance["tau"])
+        return acceptance
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{path}: not an offline acceptance file ({type(err).__name__}: {err}); it must be "
                          "results/eval/acceptance.json of the run that trained the draft") from None

@@ -5,6 +5,9 @@ continuation and every earlier draft token was accepted. Unrolling the draft on 
 therefore reproduces the engine's acceptance without running the engine; one unrolled pass scores every start
 position at once. acceptance.json: per_position[i] = share of drafts whose first i+1 tokens were all accepted;
 tau[k] = expected tokens per target pass with k draft tokens = 1 + E[min(accepted, k)].
+by_sequence: {conversation id: [number of start positions that accepted 0, 1, .., max_k draft tokens]}, so the tau of
+any set of conversations (e.g. the prompts the bench serves, or one prompt source) follows without the shards
+(`subset`).
 """
 
 from __future__ import annotations
@@ -23,10 +26,10 @@ log = logging.getLogger(__name__)
 
 @torch.inference_mode()
 def accepted_lengths(model, shard: dict, embed: torch.Tensor, max_k: int, max_tokens: int,
-                     device: str = "cpu") -> torch.Tensor:
-    """Accepted draft tokens (0..max_k) at every start position whose continuation is generated; model and embed
-    on `device`."""
-    lengths = []
+                     device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Accepted draft tokens (0..max_k) at every start position whose continuation is generated, and the shard's
+    sequence index of each start; model and embed on `device`."""
+    lengths, owners = [], []
     n = shard["cu_seqlens"].numel() - 1
     for seqs in plan(shard["cu_seqlens"], max_tokens, list(range(n))):
         batch = collate(shard, seqs, max_tokens, torch.float32, device)
@@ -40,7 +43,10 @@ def accepted_lengths(model, shard: dict, embed: torch.Tensor, max_k: int, max_to
             hits.append(guess == shifted(batch.input_ids, 2 + j, -1))
         hits = torch.stack(hits, 1)[starts]  # [starts, max_k]
         lengths.append(hits.int().cumprod(1).sum(1).cpu())
-    return torch.cat(lengths) if lengths else torch.zeros(0, dtype=torch.int64)
+        owners.append(torch.tensor(seqs)[batch.doc.cpu()[starts.cpu()]])
+    if not lengths:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    return torch.cat(lengths), torch.cat(owners)
 
 
 def summarise(lengths: torch.Tensor, max_k: int) -> dict:
@@ -52,6 +58,41 @@ def summarise(lengths: torch.Tensor, max_k: int) -> dict:
     }
 
 
+def add_histograms(table: dict[str, list[int]], lengths: torch.Tensor, owners: torch.Tensor, ids: list[str],
+                   max_k: int) -> None:
+    """Add each sequence's counts of accepted lengths 0..max_k to table[id] (ids in shard order; an id met twice,
+    e.g. turns of one conversation, sums)."""
+    counts = torch.zeros(len(ids), max_k + 1, dtype=torch.int64)
+    counts.index_put_((owners, lengths.long()), torch.ones_like(lengths, dtype=torch.int64), accumulate=True)
+    for i, row in zip(ids, counts.tolist()):
+        table[i] = [a + b for a, b in zip(table[i], row)] if i in table else row
+
+
+def subset(acceptance: dict, ids) -> dict | None:
+    """summarise()'s figures over the conversations `ids` from acceptance.json's by_sequence; None when the file has
+    no by_sequence (written before it existed) or none of the ids is in it."""
+    table = acceptance.get("by_sequence")
+    rows = [table[i] for i in ids if table and i in table]
+    if not rows:
+        return None
+    counts = torch.tensor(rows).sum(0)
+    lengths = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    return {"sequences": len(rows), **summarise(lengths, int(acceptance["max_k"]))}
+
+
+def score(model, shard_paths: list[str], embed: torch.Tensor, max_k: int, max_tokens: int, device: str = "cpu") -> dict:
+    """acceptance.json's content for these shards."""
+    all_lengths, by_sequence = [], {}
+    for path in sorted(shard_paths):
+        shard, metadata = read_hidden_shard(path)
+        lengths, owners = accepted_lengths(model, shard, embed, max_k, max_tokens, device)
+        ids = metadata.get("ids") or [f"{path}#{i}" for i in range(shard["cu_seqlens"].numel() - 1)]
+        add_histograms(by_sequence, lengths, owners, ids, max_k)
+        all_lengths.append(lengths)
+    lengths = torch.cat(all_lengths) if all_lengths else torch.zeros(0, dtype=torch.int64)
+    return {"max_k": max_k, **summarise(lengths, max_k), "by_sequence": by_sequence}
+
+
 def run(shard_paths: list[str], draft_dir, output_path, *, target_dir, max_k: int, max_tokens: int,
         threads: int, device: str = "cpu") -> None:
     torch.set_num_threads(threads)
@@ -59,9 +100,7 @@ def run(shard_paths: list[str], draft_dir, output_path, *, target_dir, max_k: in
         raise RuntimeError("config key evaluate.device is 'cuda' but torch sees no CUDA device; set evaluate.device: cpu")
     model = load_checkpoint(draft_dir).eval().to(device)
     embed = load_embeddings(target_dir).float().to(device)
-    lengths = torch.cat([accepted_lengths(model, read_hidden_shard(p)[0], embed, max_k, max_tokens, device)
-                         for p in sorted(shard_paths)])
-    result = {"max_k": max_k, **summarise(lengths, max_k)}
+    result = score(model, shard_paths, embed, max_k, max_tokens, device)
     write_json(output_path, result)
     log.info("offline acceptance over %d positions: tau %s", result["positions"],
              {k: round(v, 3) for k, v in result["tau"].items()})

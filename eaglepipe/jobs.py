@@ -261,6 +261,7 @@ def bench(smk) -> None:
         diagnose_prompts=b["diagnose_prompts"],
         chat_template=smk.params.chat_template,
         multi_turn=smk.params.multi_turn,
+        seed=b["seed"],
     )
 
 

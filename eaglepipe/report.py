@@ -57,7 +57,7 @@ def served_section(bench: dict) -> list[str]:
     lines = ["", "## Served through vLLM (eval prompts, greedy)", "",
               f"{bench['prompts']} prompts, {bench['max_new_tokens']} new tokens; without the draft: "
               f"{bench['baseline_tok_s']['batch_1']:.1f} tok/s at batch 1, {bench['baseline_tok_s'][batch]:.1f} at "
-              f"{batch.replace('_', ' ')}.", "",
+              f"{batch.replace('_', ' ')}. Offline tau over {bench.get('offline_scope', 'the whole eval split')}.", "",
               "| k | served tau | offline tau | agrees | tok/s batch 1 | speedup batch 1 | speedup " +
               batch.replace("_", " ") + " |", "|---|---|---|---|---|---|---|"]
     for k, r in bench["k"].items():

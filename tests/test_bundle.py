@@ -111,3 +111,18 @@ def test_a_draft_of_another_target_is_refused_before_the_engine_loads(tmp_path, 
     assert str(err.value).startswith(f"{tmp_path}/other/config.json: this draft was trained for another target")
     assert message in str(err.value) and "Set target.path to the target it was trained for" in str(err.value)
     assert not (tmp_path / "served.json").exists()
+
+
+def test_bench_serves_a_seeded_sample_of_the_eval_prompts():
+    """bench.seed: the same seed serves the same prompts; the sample is drawn from every source, not the first ids
+    (which group by source); seed null keeps the first by id."""
+    from eaglepipe.bench import served_rows
+
+    rows = [{"id": f"{kind}-{i:03d}"} for kind in ("chat", "code", "syn") for i in range(20)]
+    first = served_rows(rows, 8, None)
+    assert [r["id"] for r in first] == [f"chat-{i:03d}" for i in range(8)]
+    sample = served_rows(list(reversed(rows)), 8, 0)
+    assert sample == served_rows(rows, 8, 0)  # the order rows come in does not change the sample
+    assert len({r["id"] for r in sample}) == 8 and {r["id"].split("-")[0] for r in sample} == {"chat", "code", "syn"}
+    assert served_rows(rows, 8, 1) != sample
+    assert len(served_rows(rows, 100, 0)) == len(rows)

@@ -229,3 +229,32 @@ def test_training_steps_of_the_new_path_follow_the_original_path():
             losses[impl].append(float(value))
     gaps = [abs(a - b) / a for a, b in zip(losses["dense"], losses["merged"])]
     assert losses["dense"][-1] < losses["dense"][0] and max(gaps) < 1e-5, losses
+
+
+def test_per_sequence_counts_add_up_and_belong_to_their_sequence(tmp_path):
+    """acceptance.json's by_sequence: each conversation's counts are what scoring it alone gives (so packing several
+    into a batch, or splitting batches, assigns every start position to its own sequence), and the tau of all of
+    them together is the overall tau."""
+    from eaglepipe.evaluate import score, subset
+    from eaglepipe.formats import write_hidden_shard
+
+    model = tiny_draft().eval()
+    embed = torch.randn(V, H, generator=torch.Generator().manual_seed(1))
+    lengths = [9, 17, 6, 12]
+    shard = fake_shard(lengths, seed=3)
+    ids = ["b", "a", "d", "c"]
+    write_hidden_shard(tmp_path / "all.safetensors", shard, {"ids": ids})
+    whole = score(model, [str(tmp_path / "all.safetensors")], embed, max_k=3, max_tokens=24)
+    assert sorted(whole["by_sequence"]) == sorted(ids)
+    for n, (i, length) in enumerate(zip(ids, lengths)):
+        a, b = int(shard["cu_seqlens"][n]), int(shard["cu_seqlens"][n + 1])
+        alone = {k: v[a:b] for k, v in shard.items() if k != "cu_seqlens"}
+        alone["cu_seqlens"] = torch.tensor([0, length])
+        write_hidden_shard(tmp_path / f"{i}.safetensors", alone, {"ids": [i]})
+        own = score(model, [str(tmp_path / f"{i}.safetensors")], embed, max_k=3, max_tokens=24)
+        assert whole["by_sequence"][i] == own["by_sequence"][i]
+        assert sum(own["by_sequence"][i]) == length - 2 - 3 + 1  # starts whose 3 drafted tokens are inside
+    together = subset(whole, ids)
+    assert together["positions"] == whole["positions"] and together["tau"] == whole["tau"]
+    assert subset(whole, ["a"])["positions"] == sum(whole["by_sequence"]["a"])
+    assert subset({"max_k": 3, "tau": {}}, ids) is None and subset(whole, ["unknown"]) is None

@@ -6,6 +6,7 @@ import pytest
 
 from conftest import REPO, planned_rules, snakemake, tiny_config
 from eaglepipe import bundle
+from eaglepipe.evaluate import subset
 from eaglepipe.formats import read_hidden_shard, read_table, sha256_file
 
 DETERMINISTIC = [
@@ -46,6 +47,29 @@ def test_data_scaling_trains_shares_of_the_train_data_and_reproduces_the_full_ru
     assert not any((tmp_path / "scratch").iterdir())
 
 
+def test_rescoring_a_bundle_here_reproduces_the_runs_per_conversation_acceptance(first_run, tmp_path):
+    """python -m eaglepipe.tools.rescore on the run's bundle, with the run's engine: the served sample's hidden states
+    extracted again and scored give the evaluate stage's by_sequence counts for those conversations."""
+    from eaglepipe.tools import rescore
+
+    workdir, config = first_run
+    bundle.make(workdir, tmp_path / "bundle")
+    result = rescore.main(["--bundle", str(tmp_path / "bundle"), "--target", config["target"]["path"],
+                           "--engine", "transformers", "--threads", "1", "--max-length", "128",
+                           "--max-prompts", str(config["bench"]["max_prompts"]), "--out", str(tmp_path / "r.json")])
+    acceptance = json.loads((workdir / "results/eval/acceptance.json").read_text())
+    served = json.loads((workdir / "results/bench/served.json").read_text())
+    assert sorted(result["by_sequence"]) == sorted(served["served_ids"])
+    assert result["by_sequence"] == {i: acceptance["by_sequence"][i] for i in served["served_ids"]}
+    assert result["tau"] == subset(acceptance, served["served_ids"])["tau"] and result["bundle_tau"] == acceptance["tau"]
+    assert json.loads((tmp_path / "r.json").read_text())["rescored"]["engine"] == "transformers"
+    # --max-new-tokens 6: only the first 6 response tokens, so at most 6 - max_k + 1 = 4 starts per conversation
+    cut = rescore.main(["--bundle", str(tmp_path / "bundle"), "--target", config["target"]["path"],
+                        "--engine", "transformers", "--threads", "1", "--max-length", "128", "--max-new-tokens", "6",
+                        "--max-prompts", str(config["bench"]["max_prompts"]), "--out", str(tmp_path / "cut.json")])
+    assert max(sum(c) for c in cut["by_sequence"].values()) == 4 < max(sum(c) for c in result["by_sequence"].values())
+
+
 def test_every_artifact_is_produced_and_consistent(first_run):
     workdir, _ = first_run
     stats = json.loads((workdir / "results/traces/stats.json").read_text())
@@ -75,7 +99,10 @@ def test_every_artifact_is_produced_and_consistent(first_run):
     assert set(acceptance["tau"]) == {"1", "2", "3"} and acceptance["positions"] > 0
     served = json.loads((workdir / "results/bench/served.json").read_text())
     k2 = served["k"]["2"]
-    assert k2["drafts"] > 0 and len(k2["per_position"]) == 2 and k2["offline_tau"] == acceptance["tau"]["2"]
+    same = subset(acceptance, served["served_ids"])  # offline over the conversations served
+    assert k2["drafts"] > 0 and len(k2["per_position"]) == 2 and k2["offline_tau"] == same["tau"]["2"]
+    assert k2["offline_tau_all"] == acceptance["tau"]["2"] and sorted(acceptance["by_sequence"]) == sorted(
+        r["id"] for r in read_table(workdir / "results/prompts/eval.parquet"))
     assert served["baseline_tok_s"]["batch_1"] > 0 and k2["speedup"]["batch_4"] > 0
     before, after = served["baseline_runs"]  # the target alone timed on both sides of the drafts
     assert served["baseline_tok_s"]["batch_4"] == pytest.approx((before["batch_4"] + after["batch_4"]) / 2)
@@ -130,7 +157,8 @@ def test_a_bundle_of_the_run_is_served_without_the_pipeline(first_run, tmp_path)
     served = json.loads((served_dir / "results/bench/served.json").read_text())
     ours = json.loads((workdir / "results/bench/served.json").read_text())
     acceptance = json.loads((workdir / "results/eval/acceptance.json").read_text())
-    assert served["prompts"] == ours["prompts"] > 0 and served["k"]["2"]["offline_tau"] == acceptance["tau"]["2"]
+    assert served["prompts"] == ours["prompts"] > 0 and served["served_ids"] == ours["served_ids"]
+    assert served["k"]["2"]["offline_tau"] == subset(acceptance, served["served_ids"])["tau"]["2"]
     assert served["k"]["2"]["drafts"] > 0
     assert served["k"]["2"]["served_tau"] == pytest.approx(ours["k"]["2"]["served_tau"], abs=0.05)
 

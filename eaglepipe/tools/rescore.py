@@ -1,0 +1,107 @@
+"""Offline acceptance of a bundle's draft on the conversations the bench serves, from hidden states this machine's
+target computes: the figure the served tau is compared with, when the bundle's acceptance.json has no per-conversation
+counts (bundles made before `by_sequence`) or was measured with another machine's numerics (a GPU's bf16).
+
+Usage (the same --max-prompts and --seed as the bench's, config/examples/serve-draft.yaml):
+    python -m eaglepipe.tools.rescore --bundle draft-bundle --target resources/targets/smollm2-135m \
+        --max-prompts 32 --seed 0 --out rescored.json [--engine vllm] [--threads 2]
+
+It selects the bench's sample of the bundle's eval prompts (eaglepipe.bench.served_rows), takes their traces from the
+bundle (traces/shard-*.parquet), extracts their hidden states with the engine (as the hidden_states stage does, into a
+temporary shard) and scores the draft on them (eaglepipe.evaluate.score); --max-new-tokens scores only the part of
+each response the bench generates. The output is an acceptance.json with
+by_sequence, plus `rescored` (engine, prompts, seed) and `bundle_tau` (the bundle's own figure over its whole eval
+split). Put it in a copy of the bundle as acceptance.json and the bench compares served with it, prompt for prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from ..bench import served_rows
+from ..formats import PROMPT_SCHEMA, TRACE_SCHEMA, read_table, write_json, write_table
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bundle", required=True, help="the draft bundle folder (eaglepipe/bundle.py)")
+    parser.add_argument("--target", required=True, help="the target checkpoint folder the bench serves")
+    parser.add_argument("--max-prompts", type=int, default=16, help="bench.max_prompts (default 16)")
+    parser.add_argument("--seed", type=int, default=0, help="bench.seed (default 0)")
+    parser.add_argument("--first", action="store_true", help="the first --max-prompts by id (bench.seed: null)")
+    parser.add_argument("--engine", default="vllm", choices=["vllm", "transformers"], help="extraction engine")
+    parser.add_argument("--dtype", default="float32", help="engine.dtype (default float32, as config/config.yaml)")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads")
+    parser.add_argument("--max-length", type=int, default=2048, help="hidden_states.max_length (default 2048)")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="score only the first N response tokens of each trace (bench.max_new_tokens: the part "
+                             "the bench serves); default: whole responses, as the evaluate stage")
+    parser.add_argument("--regenerate", action="store_true",
+                        help="score the continuations this machine's target generates (greedy, --max-new-tokens) "
+                             "instead of the bundle's traces: the text the bench serves, token for token")
+    parser.add_argument("--out", required=True, help="the acceptance JSON to write")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from .. import evaluate, hidden_states
+    from ..draft import load_checkpoint
+    from ..target import load_embeddings
+
+    bundle = Path(args.bundle)
+    traces = sorted((bundle / "traces").glob("shard-*.parquet"))
+    if not traces:
+        sys.exit(f"error: {bundle}/traces has no shard-*.parquet: the bundle carries no eval traces to rescore")
+    rows = served_rows(read_table(bundle / "eval.parquet", PROMPT_SCHEMA), args.max_prompts,
+                       None if args.first else args.seed)
+    wanted = {r["id"] for r in rows}
+    traced = [t for path in traces for t in read_table(path, TRACE_SCHEMA) if t["id"] in wanted]
+    missing = wanted - {t["id"] for t in traced}
+    if missing:
+        sys.exit(f"error: {bundle}/traces lacks the traces of {len(missing)} served prompts, e.g. {sorted(missing)[:3]}")
+    if args.max_new_tokens is not None:  # the loss mask follows: its spans are clipped to the shorter sequence
+        traced = [{**t, "output_ids": list(t["output_ids"])[: args.max_new_tokens],
+                   "output_tokens": min(len(t["output_ids"]), args.max_new_tokens)} for t in traced]
+    draft = json.loads((bundle / "config.json").read_text())
+    engine = {"name": args.engine, "device": "cpu", "dtype": args.dtype, "threads": args.threads, "gpus": 0}
+    if args.regenerate:
+        from ..engines import open_engine
+        from ..engines.base import EngineSettings, Sampling
+
+        if args.max_new_tokens is None:
+            sys.exit("error: --regenerate needs --max-new-tokens (bench.max_new_tokens)")
+        with open_engine(args.target, EngineSettings.from_config(engine)) as eng:
+            made = eng.generate([list(t["prompt_ids"]) for t in traced], Sampling(max_new_tokens=args.max_new_tokens))
+        traced = [{**t, "output_ids": g.output_ids, "output_tokens": len(g.output_ids),
+                   "loss_spans": [len(t["prompt_ids"]), len(t["prompt_ids"]) + len(g.output_ids)],
+                   "finish_reason": g.finish_reason} for t, g in zip(traced, made)]
+    layer_ids = draft["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace_path, shard_path = Path(tmp) / "traces.parquet", Path(tmp) / "shard.safetensors"
+        write_table(trace_path, sorted(traced, key=lambda t: t["id"]), TRACE_SCHEMA)
+        hidden_states.run(trace_path, shard_path, target_dir=args.target, layer_ids=layer_ids, engine=engine,
+                          max_length=args.max_length, chunk_size=len(traced))
+        model = load_checkpoint(bundle).eval()
+        embed = load_embeddings(args.target).float()
+        own = json.loads((bundle / "acceptance.json").read_text())
+        result = evaluate.score(model, [str(shard_path)], embed, int(own["max_k"]), 4096)
+    result["rescored"] = {"engine": args.engine, "dtype": args.dtype, "prompts": len(rows),
+                          "seed": None if args.first else args.seed,
+                          "max_length": args.max_length, "max_new_tokens": args.max_new_tokens,
+                          "regenerated": args.regenerate,
+                          "target": str(args.target)}
+    result["bundle_tau"] = own["tau"]
+    write_json(args.out, result)
+    print(json.dumps({"sequences": len(result["by_sequence"]), "positions": result["positions"],
+                      "tau": {k: round(v, 3) for k, v in result["tau"].items()},
+                      "bundle_tau": {k: round(v, 3) for k, v in own["tau"].items()}}))
+    return result
+
+
+if __name__ == "__main__":
+    main()
