@@ -36,10 +36,12 @@ log = logging.getLogger(__name__)
 
 
 def loss_mask(spans: list[int], length: int) -> list[int]:
-    """1 on the positions the engine generated (the trace row's loss_spans), 0 elsewhere."""
+    """1 on the positions the engine generated (the trace row's loss_spans), 0 elsewhere; spans reaching past
+    `length` (a sequence cut shorter than its trace) are clipped, so the mask is always `length` long."""
     mask = [0] * length
     for start, end in zip(spans[::2], spans[1::2]):
-        mask[start:end] = [1] * (end - start)
+        start, end = min(start, length), min(end, length)
+        mask[start:end] = [1] * max(end - start, 0)
     return mask
 
 
@@ -85,6 +87,10 @@ def write_shard(output_path, record_path, tensors: dict, metadata: dict) -> dict
 
 def shard_tensors(seqs: list[list[int]], masks: list[list[int]]) -> dict:
     """The shard's small tensors, known before capture: input_ids, loss_mask, cu_seqlens."""
+    bad = next((i for i, (s, m) in enumerate(zip(seqs, masks)) if len(s) != len(m)), None)
+    if bad is not None or len(seqs) != len(masks):
+        raise ValueError(f"sequence {bad}: {len(seqs[bad])} tokens but a loss mask of {len(masks[bad])}" if bad is not None
+                         else f"{len(seqs)} sequences but {len(masks)} loss masks")
     lengths = torch.tensor([0] + [len(s) for s in seqs], dtype=torch.int64)
     return {"input_ids": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
             "loss_mask": torch.tensor([m for ms in masks for m in ms], dtype=torch.uint8),

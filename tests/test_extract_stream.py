@@ -168,3 +168,19 @@ def test_runs_merge_sequences_that_follow_each_other():
     starts = [0, 3, 4, 8, 8, 10]
     assert runs_of([1, 2, 0], lengths, starts) == [(3, 0, 5), (0, 5, 3)]
     assert runs_of([3, 4, 0], lengths, starts) == [(8, 0, 2), (0, 2, 3)]
+
+
+def test_a_sequence_cut_shorter_than_its_trace_keeps_a_mask_of_its_own_length():
+    """A trace whose loss span reaches past the tokens kept (a response cut to fewer tokens, or hidden_states.max_length)
+    gets a mask as long as its tokens: slice assignment past the end would lengthen the list and the shard's
+    loss_mask would no longer match its input_ids."""
+    from eaglepipe.hidden_states import loss_mask, sequences_of, shard_tensors
+
+    assert loss_mask([3, 10], 6) == [0, 0, 0, 1, 1, 1] and loss_mask([8, 10], 6) == [0] * 6
+    row = {"id": "a", "error": "", "prompt_ids": [1, 2, 3], "output_ids": [4, 5], "loss_spans": [3, 9]}
+    ids, seqs, masks = sequences_of([row], max_length=100)
+    assert seqs == [[1, 2, 3, 4, 5]] and masks == [[0, 0, 0, 1, 1]]
+    small = shard_tensors(seqs, masks)
+    assert small["loss_mask"].numel() == small["input_ids"].numel() == 5
+    with pytest.raises(ValueError, match="sequence 0: 5 tokens but a loss mask of 4"):
+        shard_tensors(seqs, [[0, 0, 1, 1]])
