@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-
-import random
 
 from . import diagnose as diagnose_mod
 from . import evaluate

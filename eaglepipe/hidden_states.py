@@ -87,10 +87,11 @@ def write_shard(output_path, record_path, tensors: dict, metadata: dict) -> dict
 
 def shard_tensors(seqs: list[list[int]], masks: list[list[int]]) -> dict:
     """The shard's small tensors, known before capture: input_ids, loss_mask, cu_seqlens."""
-    bad = next((i for i, (s, m) in enumerate(zip(seqs, masks)) if len(s) != len(m)), None)
-    if bad is not None or len(seqs) != len(masks):
-        raise ValueError(f"sequence {bad}: {len(seqs[bad])} tokens but a loss mask of {len(masks[bad])}" if bad is not None
-                         else f"{len(seqs)} sequences but {len(masks)} loss masks")
+    if len(seqs) != len(masks):
+        raise ValueError(f"{len(seqs)} sequences but {len(masks)} loss masks")
+    for i, (seq, mask) in enumerate(zip(seqs, masks)):
+        if len(seq) != len(mask):
+            raise ValueError(f"sequence {i}: {len(seq)} tokens but a loss mask of {len(mask)}")
     lengths = torch.tensor([0] + [len(s) for s in seqs], dtype=torch.int64)
     return {"input_ids": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
             "loss_mask": torch.tensor([m for ms in masks for m in ms], dtype=torch.uint8),
