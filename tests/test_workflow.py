@@ -68,6 +68,13 @@ def test_rescoring_a_bundle_here_reproduces_the_runs_per_conversation_acceptance
                         "--engine", "transformers", "--threads", "1", "--max-length", "128", "--max-new-tokens", "6",
                         "--max-prompts", str(config["bench"]["max_prompts"]), "--out", str(tmp_path / "cut.json")])
     assert max(sum(c) for c in cut["by_sequence"].values()) == 4 < max(sum(c) for c in result["by_sequence"].values())
+    # --regenerate: the target's own greedy continuations, here the same engine and length as the traces', so the
+    # same text and the same counts
+    again = rescore.main(["--bundle", str(tmp_path / "bundle"), "--target", config["target"]["path"],
+                          "--engine", "transformers", "--threads", "1", "--max-length", "128", "--regenerate",
+                          "--max-new-tokens", str(config["generation"]["max_new_tokens"]),
+                          "--max-prompts", str(config["bench"]["max_prompts"]), "--out", str(tmp_path / "again.json")])
+    assert again["by_sequence"] == result["by_sequence"] and again["rescored"]["regenerated"]
 
 
 def test_every_artifact_is_produced_and_consistent(first_run):

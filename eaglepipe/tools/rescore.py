@@ -45,6 +45,9 @@ def main(argv=None) -> dict:
                              "instead of the bundle's traces: the text the bench serves, token for token")
     parser.add_argument("--out", required=True, help="the acceptance JSON to write")
     args = parser.parse_args(argv)
+    if args.regenerate and args.max_new_tokens is None:
+        sys.exit("error: --regenerate needs --max-new-tokens (bench.max_new_tokens)")
+    seed = None if args.first else args.seed
 
     import torch
 
@@ -56,14 +59,13 @@ def main(argv=None) -> dict:
     traces = sorted((bundle / "traces").glob("shard-*.parquet"))
     if not traces:
         sys.exit(f"error: {bundle}/traces has no shard-*.parquet: the bundle carries no eval traces to rescore")
-    rows = served_rows(read_table(bundle / "eval.parquet", PROMPT_SCHEMA), args.max_prompts,
-                       None if args.first else args.seed)
+    rows = served_rows(read_table(bundle / "eval.parquet", PROMPT_SCHEMA), args.max_prompts, seed)
     wanted = {r["id"] for r in rows}
     traced = [t for path in traces for t in read_table(path, TRACE_SCHEMA) if t["id"] in wanted]
     missing = wanted - {t["id"] for t in traced}
     if missing:
         sys.exit(f"error: {bundle}/traces lacks the traces of {len(missing)} served prompts, e.g. {sorted(missing)[:3]}")
-    if args.max_new_tokens is not None:  # the loss mask follows: its spans are clipped to the shorter sequence
+    if args.max_new_tokens is not None and not args.regenerate:  # the loss mask's spans are clipped to match
         traced = [{**t, "output_ids": list(t["output_ids"])[: args.max_new_tokens],
                    "output_tokens": min(len(t["output_ids"]), args.max_new_tokens)} for t in traced]
     draft = json.loads((bundle / "config.json").read_text())
@@ -72,8 +74,6 @@ def main(argv=None) -> dict:
         from ..engines import open_engine
         from ..engines.base import EngineSettings, Sampling
 
-        if args.max_new_tokens is None:
-            sys.exit("error: --regenerate needs --max-new-tokens (bench.max_new_tokens)")
         with open_engine(args.target, EngineSettings.from_config(engine)) as eng:
             made = eng.generate([list(t["prompt_ids"]) for t in traced], Sampling(max_new_tokens=args.max_new_tokens))
         traced = [{**t, "output_ids": g.output_ids, "output_tokens": len(g.output_ids),
@@ -90,8 +90,7 @@ def main(argv=None) -> dict:
         embed = load_embeddings(args.target).float()
         own = json.loads((bundle / "acceptance.json").read_text())
         result = evaluate.score(model, [str(shard_path)], embed, int(own["max_k"]), 4096)
-    result["rescored"] = {"engine": args.engine, "dtype": args.dtype, "prompts": len(rows),
-                          "seed": None if args.first else args.seed,
+    result["rescored"] = {"engine": args.engine, "dtype": args.dtype, "prompts": len(rows), "seed": seed,
                           "max_length": args.max_length, "max_new_tokens": args.max_new_tokens,
                           "regenerated": args.regenerate,
                           "target": str(args.target)}
