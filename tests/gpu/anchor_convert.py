@@ -4,7 +4,8 @@ score both drafts.
 
     # our shards -> speculators' data folder (a datasets save_to_disk table + hidden_states/hs_<i>.safetensors)
     python tests/gpu/anchor_convert.py to-speculators --target T --out DATA [--vocab-from DRAFT] \
-        --train results/hidden_states/train/*.safetensors --val results/hidden_states/eval/*.safetensors
+        --train results/hidden_states/train/*.safetensors --val results/hidden_states/eval/*.safetensors \
+        [--data-fraction 0.25 --seed 0]
     # speculators' checkpoint -> eaglepipe's draft folder (config.json + model.safetensors, vLLM's Eagle-3 form)
     python tests/gpu/anchor_convert.py to-eaglepipe --target T --checkpoint CKPT --aux-layer-ids 2 15 27 --out DIR
 
@@ -75,15 +76,23 @@ def to_speculators(args) -> None:
     tokens = {"train": 0, "val": 0}
     agree = total = 0
     layer_ids = None
-    for split, paths in (("train", args.train), ("val", args.val or [])):
-        for path in sorted(paths):
+    train_paths = sorted(args.train)
+    kept = None
+    if args.data_fraction < 1:  # the same seeded subset that train.data_fraction (and tools/scaling) trains on
+        from eaglepipe.batches import sequence_lengths
+        from eaglepipe.train import kept_sequences
+        kept = kept_sequences([sequence_lengths(p) for p in train_paths],
+                              {"data_fraction": args.data_fraction, "seed": args.seed})
+    for split, paths in (("train", train_paths), ("val", sorted(args.val or []))):
+        for index, path in enumerate(paths):
             shard, meta = read_hidden_shard(path)
             if layer_ids is None:
                 layer_ids = meta.get("layer_ids")
             elif meta.get("layer_ids") != layer_ids:
                 raise SystemExit(f"{path}: layer_ids {meta.get('layer_ids')} differ from the first shard's {layer_ids}")
             cu = shard["cu_seqlens"].tolist()
-            for s in range(len(cu) - 1):
+            keep = range(len(cu) - 1) if kept is None or split == "val" else kept[index]
+            for s in keep:
                 a, b = cu[s], cu[s + 1]
                 if b - a < 2:
                     continue
@@ -117,7 +126,8 @@ def to_speculators(args) -> None:
         vocab = int(d2t.numel())
         np.save(out / f"d2t-{vocab}.npy", d2t.numpy())
         np.save(out / f"t2d-{vocab}.npy", t2d.numpy())
-    info = {"sequences": counts, "tokens": tokens, "train_data_ratio": ratio, "layer_ids": layer_ids,
+    info = {"data_fraction": args.data_fraction, "seed": args.seed, "sequences": counts, "tokens": tokens,
+            "train_data_ratio": ratio, "layer_ids": layer_ids,
             "draft_vocab_size": vocab, "greedy_round_trip_agreement": agree / max(total, 1),
             "round_trip_positions": total}
     (out / "anchor.json").write_text(json.dumps(info, indent=2) + "\n")
@@ -184,6 +194,9 @@ def main(argv=None) -> None:
     a.add_argument("--train", nargs="+", required=True, help="our train-split hidden-state shards")
     a.add_argument("--val", nargs="+", required=True, help="our eval-split shards (speculators' val rows)")
     a.add_argument("--vocab-from", help="an eaglepipe draft folder whose d2t/t2d the anchor reuses")
+    a.add_argument("--data-fraction", type=float, default=1.0,
+                   help="train on this share of each train shard's sequences, the subset train.data_fraction picks")
+    a.add_argument("--seed", type=int, default=0, help="train.seed of the recipe the subset is compared with")
     b = sub.add_parser("to-eaglepipe")
     b.add_argument("--target", required=True)
     b.add_argument("--checkpoint", required=True, help="a speculators checkpoint folder (config.json + safetensors)")

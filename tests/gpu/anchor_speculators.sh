@@ -20,7 +20,7 @@
 #
 # What is kept equal to our recipe (config/examples/h200-quality.yaml): the hidden states (train split trains, our
 # eval split is speculators' validation split), the draft vocabulary (our d2t/t2d, 32,000 tokens), the aux layers
-# [2, 15, 27], 4 epochs, 4 unroll (TTT) steps, 16,384 tokens per batch, and the draft's architecture (one Llama layer
+# [2, 15, 27], 2 epochs, 4 unroll (TTT) steps, 16,384 tokens per batch, and the draft's architecture (one Llama layer
 # without speculators' extra norms, so our evaluator and our checkpoint format take it unchanged:
 # --no-norm-before-fc --no-norm-output --no-norm-before-residual). The optimiser, schedule and loss are speculators'
 # own defaults (Muon lr 1e-3, linear schedule, KL to the target's distribution): that is the anchor's recipe.
@@ -34,6 +34,11 @@ A=${ANCHOR_DIR:-/root/anchor}
 # run); the CPU smoke test of this recipe used both (speculators' trainer itself needs an accelerator and Triton).
 TRAIN=${ANCHOR_TRAIN:-python3 -m speculators.train}
 LAYERS="2 15 27"
+# The anchor trains on the share FRACTION of our train sequences (the subset train.data_fraction picks, so its twin is
+# the data-scaling point at that share, tools/scaling): the machine's 64 GiB disk holds our ~41 GB of shards and
+# speculators' copy of a quarter of them, not of all. EPOCHS: our recipe's (config/examples/h200-quality.yaml).
+FRACTION=${ANCHOR_FRACTION:-0.25}
+EPOCHS=${ANCHOR_EPOCHS:-2}
 mkdir -p $OUT $A
 stage=${1:-}
 common() {  # the flags every speculators run takes; $1 = save path
@@ -41,7 +46,7 @@ common() {  # the flags every speculators run takes; $1 = save path
         > $A/ratio.txt || exit 1
     read RATIO VOCAB < $A/ratio.txt
     echo --verifier-name-or-path $T --data-path $A/data --speculator-type eagle3 --save-path $1 --log-dir $1/logs \
-        --train-data-ratio $RATIO --draft-vocab-size $VOCAB --target-layer-ids $LAYERS --epochs 4 --ttt-steps 4 \
+        --train-data-ratio $RATIO --draft-vocab-size $VOCAB --target-layer-ids $LAYERS --epochs $EPOCHS --ttt-steps 4 \
         --total-seq-len 16384 --num-workers 8 --full-attention-indices 0 --log-freq 50
 }
 run_train() {  # $1 = save path, rest = extra flags; bounded so the call returns its log; rerun resumes
@@ -66,14 +71,15 @@ print('speculators', speculators.__version__, 'torch', torch.__version__, 'trans
 convert)
     ls $W/results/hidden_states/train/*.safetensors $W/results/hidden_states/eval/*.safetensors > /dev/null || {
         echo "no hidden-state shards under $W/results/hidden_states: run bash tests/gpu/h200.sh quality first" >&2; exit 1; }
-    mkdir -p $A; need=$(du -sbL $W/results/hidden_states | cut -f1); free=$(df -B1 --output=avail $A | tail -1)
-    echo "shards $(( need >> 30 )) GiB, free $(( free >> 30 )) GiB (the copy needs about as much as the shards)"
+    mkdir -p $A; all=$(du -sbL $W/results/hidden_states | cut -f1); free=$(df -B1 --output=avail $A | tail -1)
+    need=$(python3 -c "print(int($all * min(1.0, $FRACTION + 0.05)))")   # the share plus the eval split
+    echo "shards $(( all >> 30 )) GiB, copy of share $FRACTION ~$(( need >> 30 )) GiB, free $(( free >> 30 )) GiB"
     [ $free -gt $(( need + (need >> 3) )) ] || { echo "not enough disk for speculators' copy" >&2; exit 1; }
     rm -rf $A/data
     start=$(date +%s)
     python3 tests/gpu/anchor_convert.py to-speculators --target $T --out $A/data --vocab-from $W/results/draft \
         --train $W/results/hidden_states/train/*.safetensors --val $W/results/hidden_states/eval/*.safetensors \
-        2>&1 | grep -v "Saving the dataset"
+        --data-fraction $FRACTION --seed 0 2>&1 | grep -v "Saving the dataset"
     echo "converted in $(( $(date +%s) - start )) s"
     cp $A/data/anchor.json $OUT/anchor-data.json
     ;;
@@ -96,12 +102,18 @@ run(sorted(glob.glob("$W/results/hidden_states/eval/*.safetensors")), "$A/draft"
 anchor = json.load(open("$OUT/anchor-acceptance.json"))
 data = json.load(open("$A/data/anchor.json"))
 seconds = sum(int(s) for s in open("$A/ckpt.seconds").read().split())
+twin = None  # our recipe on the same share of the data: the scaling run's point (h200.sh scaling keeps a copy)
+if glob.glob("/root/scaling.json"):
+    twin = next((p for p in json.load(open("/root/scaling.json"))["points"]
+                 if abs(p["fraction"] - data["data_fraction"]) < 1e-9), None)
 summary = {"anchor": "speculators 0.9.0 (python -m speculators.train)", "checkpoint": "$last",
            "anchor_offline_tau3": anchor["tau"]["3"], "ours_offline_tau3": ours["tau"]["3"],
+           "ours_same_data": twin, "ours_same_data_tau3": twin and twin["tau"]["3"],
            "anchor_tau": anchor["tau"], "ours_tau": ours["tau"], "positions": anchor["positions"], "ours_positions": ours["positions"],
            "train_tokens": data["tokens"]["train"], "anchor_train_seconds": seconds, "data": data}
 json.dump(summary, open("$OUT/anchor.json", "w"), indent=2)
-print(json.dumps({k: summary[k] for k in ("anchor_offline_tau3", "ours_offline_tau3", "anchor_train_seconds")}))
+print(json.dumps({k: summary[k] for k in ("anchor_offline_tau3", "ours_same_data_tau3", "ours_offline_tau3",
+                                          "anchor_train_seconds")}))
 PY
     echo "evaluated in $(( $(date +%s) - start )) s"
     tar -C $A -czf $OUT/anchor-draft.tgz draft   # serve it on the CPU machine like ours (README: served proof)

@@ -103,6 +103,7 @@ scaling)
     C="$PWD/config/config.yaml $PWD/config/examples/h200-quality.yaml /root/gpu.yaml"
     python3 -m eaglepipe.tools.scaling --directory $W --configfile $C --json $OUT/scaling.json --plot $OUT/scaling.png \
         ${@} 2>&1 | grep -v "Loading weights" | grep "tau\|shards\|Error\|error" | tail -20
+    cp $OUT/scaling.json /root/scaling.json   # the anchor's same-data twin (anchor_speculators.sh eval)
     ;;
 *)
     echo "usage: bash tests/gpu/h200.sh setup-a|setup-b|bench|quality|scaling" >&2
