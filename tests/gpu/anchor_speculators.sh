@@ -23,7 +23,10 @@
 # [2, 15, 27], 2 epochs, 4 unroll (TTT) steps, 16,384 tokens per batch, and the draft's architecture (one Llama layer
 # without speculators' extra norms, so our evaluator and our checkpoint format take it unchanged:
 # --no-norm-before-fc --no-norm-output --no-norm-before-residual). The optimiser, schedule and loss are speculators'
-# own defaults (Muon lr 1e-3, linear schedule, KL to the target's distribution): that is the anchor's recipe.
+# own defaults (Muon lr 1e-3, linear schedule, KL to the target's distribution): that is the anchor's recipe. Its loss
+# runs as speculators' "eager" implementation: the default "fused" Triton kernel failed on the H200 machine (torch 2.11)
+# inside torch.compile ("ListVariable(length=21) is already tracked for mutation" in loss_backward_kernel's autotune
+# configs); eager is speculators' own reference implementation of the same KL loss.
 set -u
 export PYTHONPATH=/tmp/site-anchor:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -47,7 +50,7 @@ common() {  # the flags every speculators run takes; $1 = save path
     read RATIO VOCAB < $A/ratio.txt
     echo --verifier-name-or-path $T --data-path $A/data --speculator-type eagle3 --save-path $1 --log-dir $1/logs \
         --train-data-ratio $RATIO --draft-vocab-size $VOCAB --target-layer-ids $LAYERS --epochs $EPOCHS --ttt-steps 4 \
-        --total-seq-len 16384 --num-workers 8 --full-attention-indices 0 --log-freq 50
+        --total-seq-len 16384 --num-workers 8 --full-attention-indices 0 --log-freq 50 --loss-implementation eager
 }
 run_train() {  # $1 = save path, rest = extra flags; bounded so the call returns its log; rerun resumes
     save=$1; shift
@@ -64,8 +67,10 @@ case "$stage" in
 setup)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-anchor \
         .whl-anchor/*.whl 2>&1 | tail -2
+    touch /tmp/site-anchor/.ready   # h200.sh chain waits for it
     python3 -c "import torch, transformers, triton, speculators, datasets, hs_connectors, speculators.train.cli
-print('speculators', speculators.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__,
+from importlib.metadata import version  # speculators has no __version__
+print('speculators', version('speculators'), 'torch', torch.__version__, 'transformers', transformers.__version__,
       'triton', triton.__version__, torch.cuda.get_device_name(0))"
     ;;
 convert)

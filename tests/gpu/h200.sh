@@ -10,6 +10,11 @@
 #   bash tests/gpu/h200.sh quality [TARGET...]   # the h200-quality workflow up to TARGET (default: the acceptance
 #                                                # and the trace stats)
 #   bash tests/gpu/h200.sh scaling   # tau against training tokens on the finished workflow
+# Or, after setup-a and setup-b, all of it in one process session that outlives the calls (a machine goes back 30
+# minutes after its start, whatever runs: the chain fits that, the single stages' calls barely did):
+#   bash tests/gpu/h200.sh chain     # quality, bundle, scaling, then the anchor (tests/gpu/anchor_speculators.sh)
+#   bash tests/gpu/h200.sh wait      # each following call: waits up to WAIT s, brings back the files done since the
+#                                    # last call (at most 8 files / 60 MiB a call, the device tool's limit)
 # Figures land in $OUT (the device tool brings them back) and in docs/measured/ once committed.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -105,8 +110,33 @@ scaling)
         ${@} 2>&1 | grep -v "Loading weights" | grep "tau\|shards\|Error\|error" | tail -20
     cp $OUT/scaling.json /root/scaling.json   # the anchor's same-data twin (anchor_speculators.sh eval)
     ;;
+chain)
+    # From a copy of the repository: a later call replaces the working tree the chain would be reading.
+    rm -rf /root/repo /root/out /root/sent && mkdir -p /root/out && cp -r $PWD /root/repo && touch /root/sent
+    cd /root/repo && setsid nohup bash -c "OUT=/root/out LIMIT=100000 bash tests/gpu/h200.sh quality
+        OUT=/root/out bash tests/gpu/h200.sh scaling
+        while [ ! -f /tmp/site-anchor/.ready ]; do sleep 5; done   # anchor_speculators.sh setup, a later call
+        for s in convert train eval; do OUT=/root/out ANCHOR_TRAIN_TIMEOUT=900 bash tests/gpu/anchor_speculators.sh \$s \
+            || break; done
+        touch /root/out/chain.done" > /root/out/chain.log 2>&1 < /dev/null &
+    echo "chain started"
+    ;;
+wait)
+    end=$(( $(date +%s) + ${WAIT:-540} ))
+    while [ ! -f /root/out/chain.done ] && [ $(date +%s) -lt $end ]; do sleep 10; done
+    tail -c 6000 /root/out/chain.log
+    n=0; bytes=0   # the device tool brings back 8 files, 64 MiB at most: oldest unsent first
+    for f in $(ls -tr /root/out); do
+        grep -qx "$f" /root/sent && continue
+        size=$(stat -c %s /root/out/$f)
+        [ $n -lt 7 ] && [ $(( bytes + size )) -lt 62914560 ] || continue
+        case $f in chain.log|chain.done) continue;; esac
+        cp /root/out/$f $OUT/ && echo "$f" >> /root/sent; n=$(( n + 1 )); bytes=$(( bytes + size ))
+    done
+    cp /root/out/chain.log $OUT/ 2>/dev/null; ls -la $OUT
+    ;;
 *)
-    echo "usage: bash tests/gpu/h200.sh setup-a|setup-b|bench|quality|scaling" >&2
+    echo "usage: bash tests/gpu/h200.sh setup-a|setup-b|bench|quality|scaling|chain|wait" >&2
     exit 2
     ;;
 esac
