@@ -15,6 +15,8 @@
 #   bash tests/gpu/h200.sh chain     # quality, bundle, scaling, then the anchor (tests/gpu/anchor_speculators.sh)
 #   bash tests/gpu/h200.sh wait      # each following call: waits up to WAIT s, brings back the files done since the
 #                                    # last call (at most 8 files / 60 MiB a call, the device tool's limit)
+# The chain writes to /root/chain, not /root/out: the device tool's $OUT there IS /root/out, emptied before each call.
+# A gap of more than 30 s between two calls still loses the machine and the chain with it (2026-12-04: one did).
 # Figures land in $OUT (the device tool brings them back) and in docs/measured/ once committed.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -112,28 +114,28 @@ scaling)
     ;;
 chain)
     # From a copy of the repository: a later call replaces the working tree the chain would be reading.
-    rm -rf /root/repo /root/out /root/sent && mkdir -p /root/out && cp -r $PWD /root/repo && touch /root/sent
-    cd /root/repo && setsid nohup bash -c "OUT=/root/out LIMIT=100000 bash tests/gpu/h200.sh quality
-        OUT=/root/out bash tests/gpu/h200.sh scaling
+    rm -rf /root/repo /root/chain /root/sent && mkdir -p /root/chain && cp -r $PWD /root/repo && touch /root/sent
+    cd /root/repo && setsid nohup bash -c "OUT=/root/chain LIMIT=100000 bash tests/gpu/h200.sh quality
+        OUT=/root/chain bash tests/gpu/h200.sh scaling
         while [ ! -f /tmp/site-anchor/.ready ]; do sleep 5; done   # anchor_speculators.sh setup, a later call
-        for s in convert train eval; do OUT=/root/out ANCHOR_TRAIN_TIMEOUT=900 bash tests/gpu/anchor_speculators.sh \$s \
+        for s in convert train eval; do OUT=/root/chain ANCHOR_TRAIN_TIMEOUT=900 bash tests/gpu/anchor_speculators.sh \$s \
             || break; done
-        touch /root/out/chain.done" > /root/out/chain.log 2>&1 < /dev/null &
+        touch /root/chain/chain.done" > /root/chain/chain.log 2>&1 < /dev/null &
     echo "chain started"
     ;;
 wait)
     end=$(( $(date +%s) + ${WAIT:-540} ))
-    while [ ! -f /root/out/chain.done ] && [ $(date +%s) -lt $end ]; do sleep 10; done
-    tail -c 6000 /root/out/chain.log
+    while [ ! -f /root/chain/chain.done ] && [ $(date +%s) -lt $end ]; do sleep 10; done
+    tail -c 6000 /root/chain/chain.log
     n=0; bytes=0   # the device tool brings back 8 files, 64 MiB at most: oldest unsent first
-    for f in $(ls -tr /root/out); do
+    for f in $(ls -tr /root/chain); do
         grep -qx "$f" /root/sent && continue
-        size=$(stat -c %s /root/out/$f)
+        size=$(stat -c %s /root/chain/$f)
         [ $n -lt 7 ] && [ $(( bytes + size )) -lt 62914560 ] || continue
         case $f in chain.log|chain.done) continue;; esac
-        cp /root/out/$f $OUT/ && echo "$f" >> /root/sent; n=$(( n + 1 )); bytes=$(( bytes + size ))
+        cp /root/chain/$f $OUT/ && echo "$f" >> /root/sent; n=$(( n + 1 )); bytes=$(( bytes + size ))
     done
-    cp /root/out/chain.log $OUT/ 2>/dev/null; ls -la $OUT
+    cp /root/chain/chain.log $OUT/ 2>/dev/null; ls -la $OUT
     ;;
 *)
     echo "usage: bash tests/gpu/h200.sh setup-a|setup-b|bench|quality|scaling|chain|wait" >&2
