@@ -12,7 +12,8 @@
 #   bash tests/gpu/h200.sh scaling   # tau against training tokens on the finished workflow
 # Or, after setup-a and setup-b, all of it in one process session that outlives the calls (a machine goes back 30
 # minutes after its start, whatever runs: the chain fits that, the single stages' calls barely did):
-#   bash tests/gpu/h200.sh chain     # quality, bundle, scaling, then the anchor (tests/gpu/anchor_speculators.sh)
+#   bash tests/gpu/h200.sh chain     # quality, bundle, the scaling point at the anchor's share (SCALING_FRACTIONS,
+#                                    # default 0.25), then the anchor (tests/gpu/anchor_speculators.sh)
 #   bash tests/gpu/h200.sh wait      # each following call: waits up to WAIT s, brings back the files done since the
 #                                    # last call (at most 8 files / 60 MiB a call, the device tool's limit)
 # The chain writes to /root/chain, not /root/out: the device tool's $OUT there IS /root/out, emptied before each call.
@@ -116,9 +117,9 @@ chain)
     # From a copy of the repository: a later call replaces the working tree the chain would be reading.
     rm -rf /root/repo /root/chain /root/sent && mkdir -p /root/chain && cp -r $PWD /root/repo && touch /root/sent
     cd /root/repo && setsid nohup bash -c "OUT=/root/chain LIMIT=100000 bash tests/gpu/h200.sh quality
-        OUT=/root/chain bash tests/gpu/h200.sh scaling
+        OUT=/root/chain bash tests/gpu/h200.sh scaling --fractions \${SCALING_FRACTIONS:-0.25}   # the anchor's twin
         while [ ! -f /tmp/site-anchor/.ready ]; do sleep 5; done   # anchor_speculators.sh setup, a later call
-        for s in convert train eval; do OUT=/root/chain ANCHOR_TRAIN_TIMEOUT=900 bash tests/gpu/anchor_speculators.sh \$s \
+        for s in convert train eval; do OUT=/root/chain ANCHOR_TRAIN_TIMEOUT=\${ANCHOR_TRAIN_TIMEOUT:-480} bash tests/gpu/anchor_speculators.sh \$s \
             || break; done
         touch /root/chain/chain.done" > /root/chain/chain.log 2>&1 < /dev/null &
     echo "chain started"
