@@ -56,13 +56,27 @@ def test_rescoring_a_bundle_here_reproduces_the_runs_per_conversation_acceptance
     bundle.make(workdir, tmp_path / "bundle")
     result = rescore.main(["--bundle", str(tmp_path / "bundle"), "--target", config["target"]["path"],
                            "--engine", "transformers", "--threads", "1", "--max-length", "128",
-                           "--max-prompts", str(config["bench"]["max_prompts"]), "--out", str(tmp_path / "r.json")])
+                           "--max-prompts", str(config["bench"]["max_prompts"]), "--also", str(workdir / "results/draft"),
+                           "--out", str(tmp_path / "r.json")])
     acceptance = json.loads((workdir / "results/eval/acceptance.json").read_text())
     served = json.loads((workdir / "results/bench/served.json").read_text())
     assert sorted(result["by_sequence"]) == sorted(served["served_ids"])
     assert result["by_sequence"] == {i: acceptance["by_sequence"][i] for i in served["served_ids"]}
     assert result["tau"] == subset(acceptance, served["served_ids"])["tau"] and result["bundle_tau"] == acceptance["tau"]
     assert json.loads((tmp_path / "r.json").read_text())["rescored"]["engine"] == "transformers"
+    # --also: another draft on the same hidden states (here the bundle's own, so the same figures); a draft of other
+    # aux layers is refused before any work, naming its config
+    also = result["also"][str(workdir / "results/draft")]
+    assert also["tau"] == result["tau"] and also["positions"] == result["positions"]
+    other = tmp_path / "other-draft"
+    other.mkdir()
+    draft_config = json.loads((workdir / "results/draft/config.json").read_text())
+    draft_config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]
+    (other / "config.json").write_text(json.dumps(draft_config))
+    with pytest.raises(SystemExit, match="other-draft/config.json takes aux layers \\[1, 2, 3\\]"):
+        rescore.main(["--bundle", str(tmp_path / "bundle"), "--target", config["target"]["path"], "--also", str(other),
+                      "--out", str(tmp_path / "refused.json")])
+    assert not (tmp_path / "refused.json").exists()
     # --max-new-tokens 6: only the first 6 response tokens, so at most 6 - max_k + 1 = 4 starts per conversation
     cut = rescore.main(["--bundle", str(tmp_path / "bundle"), "--target", config["target"]["path"],
                         "--engine", "transformers", "--threads", "1", "--max-length", "128", "--max-new-tokens", "6",

@@ -64,7 +64,7 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     model = load_model(args.target, args.preset, device, {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype])
     config = model.config
-    layer_ids = [2, config.num_hidden_layers // 2, config.num_hidden_layers - 3]
+    layer_ids = sorted({2, config.num_hidden_layers // 2, config.num_hidden_layers - 3})  # distinct on small models
     params = sum(p.numel() for p in model.parameters()) - config.vocab_size * config.hidden_size
     gen = torch.Generator().manual_seed(args.seed + 1)
     seqs = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist()

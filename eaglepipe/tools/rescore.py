@@ -43,6 +43,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--regenerate", action="store_true",
                         help="score the continuations this machine's target generates (greedy, --max-new-tokens) "
                              "instead of the bundle's traces: the text the bench serves, token for token")
+    parser.add_argument("--also", nargs="+", default=[], metavar="DRAFT",
+                        help="other draft folders (config.json + model.safetensors, same aux layers) scored on the "
+                             "same hidden states: `also` in the output, by folder (e.g. an anchor trainer's draft)")
     parser.add_argument("--out", required=True, help="the acceptance JSON to write")
     args = parser.parse_args(argv)
     if args.regenerate and args.max_new_tokens is None:
@@ -69,6 +72,15 @@ def main(argv=None) -> dict:
         traced = [{**t, "output_ids": list(t["output_ids"])[: args.max_new_tokens],
                    "output_tokens": min(len(t["output_ids"]), args.max_new_tokens)} for t in traced]
     draft = json.loads((bundle / "config.json").read_text())
+    layer_ids = draft["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    for other in args.also:  # before any work: the hidden states extracted here fit only drafts of the same layers
+        config = Path(other) / "config.json"
+        if not config.is_file():
+            sys.exit(f"error: --also {other}: no config.json there (a draft folder: config.json + model.safetensors)")
+        other_layers = json.loads(config.read_text()).get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+        if other_layers != layer_ids:
+            sys.exit(f"error: {config} takes aux layers {other_layers}, the bundle's draft {layer_ids}: "
+                     "score it with a bundle of its own layers")
     engine = {"name": args.engine, "device": "cpu", "dtype": args.dtype, "threads": args.threads, "gpus": 0}
     if args.regenerate:
         from ..engines import open_engine
@@ -79,7 +91,6 @@ def main(argv=None) -> dict:
         traced = [{**t, "output_ids": g.output_ids, "output_tokens": len(g.output_ids),
                    "loss_spans": [len(t["prompt_ids"]), len(t["prompt_ids"]) + len(g.output_ids)],
                    "finish_reason": g.finish_reason} for t, g in zip(traced, made)]
-    layer_ids = draft["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         trace_path, shard_path = Path(tmp) / "traces.parquet", Path(tmp) / "shard.safetensors"
@@ -90,6 +101,10 @@ def main(argv=None) -> dict:
         embed = load_embeddings(args.target).float()
         own = json.loads((bundle / "acceptance.json").read_text())
         result = evaluate.score(model, [str(shard_path)], embed, int(own["max_k"]), 4096)
+        result["also"] = {}
+        for other in args.also:
+            scored = evaluate.score(load_checkpoint(other).eval(), [str(shard_path)], embed, int(own["max_k"]), 4096)
+            result["also"][str(other)] = {k: scored[k] for k in ("tau", "per_position", "positions")}
     result["rescored"] = {"engine": args.engine, "dtype": args.dtype, "prompts": len(rows), "seed": seed,
                           "max_length": args.max_length, "max_new_tokens": args.max_new_tokens,
                           "regenerated": args.regenerate,
@@ -98,7 +113,8 @@ def main(argv=None) -> dict:
     write_json(args.out, result)
     print(json.dumps({"sequences": len(result["by_sequence"]), "positions": result["positions"],
                       "tau": {k: round(v, 3) for k, v in result["tau"].items()},
-                      "bundle_tau": {k: round(v, 3) for k, v in own["tau"].items()}}))
+                      "bundle_tau": {k: round(v, 3) for k, v in own["tau"].items()},
+                      "also": {k: {n: round(v, 3) for n, v in r["tau"].items()} for k, r in result["also"].items()}}))
     return result
 
 

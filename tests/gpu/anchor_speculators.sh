@@ -103,7 +103,7 @@ import glob, json
 from eaglepipe.evaluate import run
 ours = json.load(open("$W/results/eval/acceptance.json"))  # the same max_k and eval shards as our draft's score
 run(sorted(glob.glob("$W/results/hidden_states/eval/*.safetensors")), "$A/draft", "$OUT/anchor-acceptance.json",
-    target_dir="$T", max_k=ours["max_k"], max_tokens=16384, threads=16)
+    target_dir="$T", max_k=ours["max_k"], max_tokens=16384, threads=16, device="cuda")  # on CPU it took > 4 min
 anchor = json.load(open("$OUT/anchor-acceptance.json"))
 data = json.load(open("$A/data/anchor.json"))
 seconds = sum(int(s) for s in open("$A/ckpt.seconds").read().split())
