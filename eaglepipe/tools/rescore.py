@@ -103,8 +103,8 @@ def main(argv=None) -> dict:
         result = evaluate.score(model, [str(shard_path)], embed, int(own["max_k"]), 4096)
         result["also"] = {}
         for other in args.also:
-            scored = evaluate.score(load_checkpoint(other).eval(), [str(shard_path)], embed, int(own["max_k"]), 4096)
-            result["also"][str(other)] = {k: scored[k] for k in ("tau", "per_position", "positions")}
+            result["also"][str(other)] = evaluate.score(load_checkpoint(other).eval(), [str(shard_path)], embed,
+                                                        int(own["max_k"]), 4096)  # an acceptance.json of its own
     result["rescored"] = {"engine": args.engine, "dtype": args.dtype, "prompts": len(rows), "seed": seed,
                           "max_length": args.max_length, "max_new_tokens": args.max_new_tokens,
                           "regenerated": args.regenerate,
