@@ -8,6 +8,10 @@ tau[k] = expected tokens per target pass with k draft tokens = 1 + E[min(accepte
 by_sequence: {conversation id: [number of start positions that accepted 0, 1, .., max_k draft tokens]}, so the tau of
 any set of conversations (e.g. the prompts the bench serves, or one prompt source) follows without the shards
 (`subset`).
+outside_loops: positions, per_position and tau over the start positions whose first drafted token is not a repeat of
+the loop its response ends in (traces.trailing_loop, the tokens trace stats count as looping_token_share), and
+starts_in_loops, the share of starts that are: a target that loops makes those trivial to draft, so this is the
+figure for text that does not repeat itself.
 """
 
 from __future__ import annotations
@@ -25,12 +29,34 @@ log = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
-def accepted_lengths(model, shard: dict, embed: torch.Tensor, max_k: int, max_tokens: int,
-                     device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def loop_tokens(shard: dict) -> torch.Tensor:
+    """bool per shard token: the tokens of each sequence's last response (its last loss-mask span) that repeat the
+    loop the response ends in (traces.trailing_loop)."""
+    from .traces import trailing_loop
+
+    ids, mask = shard["input_ids"], shard["loss_mask"].bool()
+    flags = torch.zeros(ids.numel(), dtype=torch.bool)
+    cu = shard["cu_seqlens"].tolist()
+    for a, b in zip(cu[:-1], cu[1:]):
+        inside = mask[a:b].nonzero().squeeze(1)
+        if inside.numel() == 0:
+            continue
+        end = a + int(inside[-1]) + 1
+        outside = (~mask[a:end]).nonzero().squeeze(1)
+        start = a + (int(outside[-1]) + 1 if outside.numel() else 0)
+        _, repeated = trailing_loop(ids[start:end].tolist())
+        flags[end - repeated: end] = True
+    return flags
+
+
+def accepted_lengths(model, shard: dict, embed: torch.Tensor, max_k: int, max_tokens: int, device: str = "cpu",
+                     token_flags: torch.Tensor | None = None):
     """Accepted draft tokens (0..max_k) at every start position whose continuation is generated, and the shard's
-    sequence index of each start; model and embed on `device`."""
-    lengths, owners = [], []
-    n = shard["cu_seqlens"].numel() - 1
+    sequence index of each start; model and embed on `device`. With token_flags (bool per shard token), also
+    whether each start's first drafted token is flagged."""
+    lengths, owners, flagged = [], [], []
+    cu = shard["cu_seqlens"].tolist()
+    n = len(cu) - 1
     for seqs in plan(shard["cu_seqlens"], max_tokens, list(range(n))):
         batch = collate(shard, seqs, max_tokens, torch.float32, device)
         idx = torch.arange(batch.tokens, device=device)
@@ -44,9 +70,13 @@ def accepted_lengths(model, shard: dict, embed: torch.Tensor, max_k: int, max_to
         hits = torch.stack(hits, 1)[starts]  # [starts, max_k]
         lengths.append(hits.int().cumprod(1).sum(1).cpu())
         owners.append(torch.tensor(seqs)[batch.doc.cpu()[starts.cpu()]])
+        if token_flags is not None:  # the batch's tokens in shard order, each sequence cut as collate cuts it
+            index = torch.cat([torch.arange(cu[i], min(cu[i + 1], cu[i] + max_tokens)) for i in seqs])
+            flagged.append(shifted(token_flags[index], 2, False)[starts.cpu()])
+    empty = torch.zeros(0, dtype=torch.int64)
     if not lengths:
-        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
-    return torch.cat(lengths), torch.cat(owners)
+        return empty, empty, (torch.zeros(0, dtype=torch.bool) if token_flags is not None else None)
+    return torch.cat(lengths), torch.cat(owners), (torch.cat(flagged) if token_flags is not None else None)
 
 
 def summarise(lengths: torch.Tensor, max_k: int) -> dict:
@@ -82,15 +112,20 @@ def subset(acceptance: dict, ids) -> dict | None:
 
 def score(model, shard_paths: list[str], embed: torch.Tensor, max_k: int, max_tokens: int, device: str = "cpu") -> dict:
     """acceptance.json's content for these shards."""
-    all_lengths, by_sequence = [], {}
+    all_lengths, all_looped, by_sequence = [], [], {}
     for path in sorted(shard_paths):
         shard, metadata = read_hidden_shard(path)
-        lengths, owners = accepted_lengths(model, shard, embed, max_k, max_tokens, device)
+        lengths, owners, looped = accepted_lengths(model, shard, embed, max_k, max_tokens, device,
+                                                   token_flags=loop_tokens(shard))
         ids = metadata.get("ids") or [f"{path}#{i}" for i in range(shard["cu_seqlens"].numel() - 1)]
         add_histograms(by_sequence, lengths, owners, ids, max_k)
         all_lengths.append(lengths)
+        all_looped.append(looped)
     lengths = torch.cat(all_lengths) if all_lengths else torch.zeros(0, dtype=torch.int64)
-    return {"max_k": max_k, **summarise(lengths, max_k), "by_sequence": by_sequence}
+    looped = torch.cat(all_looped) if all_looped else torch.zeros(0, dtype=torch.bool)
+    outside = {**summarise(lengths[~looped], max_k),
+               "starts_in_loops": float(looped.sum()) / max(looped.numel(), 1)}
+    return {"max_k": max_k, **summarise(lengths, max_k), "by_sequence": by_sequence, "outside_loops": outside}
 
 
 def run(shard_paths: list[str], draft_dir, output_path, *, target_dir, max_k: int, max_tokens: int,
@@ -102,5 +137,7 @@ def run(shard_paths: list[str], draft_dir, output_path, *, target_dir, max_k: in
     embed = load_embeddings(target_dir).float().to(device)
     result = score(model, shard_paths, embed, max_k, max_tokens, device)
     write_json(output_path, result)
-    log.info("offline acceptance over %d positions: tau %s", result["positions"],
-             {k: round(v, 3) for k, v in result["tau"].items()})
+    log.info("offline acceptance over %d positions: tau %s; outside trailing loops (%.1f %% of starts are in one): %s",
+             result["positions"], {k: round(v, 3) for k, v in result["tau"].items()},
+             100 * result["outside_loops"]["starts_in_loops"],
+             {k: round(v, 3) for k, v in result["outside_loops"]["tau"].items()})

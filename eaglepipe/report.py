@@ -42,10 +42,16 @@ def summary(*, target: str, trace_stats, coverage, manifest, train_log, acceptan
                   "|---|" + "---|" * len(last["loss"]),
                   "| loss | " + " | ".join(f"{v:.3f}" for v in last["loss"]) + " |",
                   "| acc | " + " | ".join(f"{v:.3f}" for v in last["acc"]) + " |"]
+    outside = acc.get("outside_loops")  # absent from acceptance files made before it existed (bundles)
+    extra = (" tau outside trailing loops |", "---|") if outside else ("", "")
     lines += ["", "## Offline acceptance (eval split, greedy)", "",
-              f"{acc['positions']} start positions.", "", "| k | tau | P(first k accepted) |", "|---|---|---|"]
+              f"{acc['positions']} start positions.", "", "| k | tau | P(first k accepted) |" + extra[0],
+              "|---|---|---|" + extra[1]]
     lines += [f"| {k} | {acc['tau'][str(k)]:.3f} | {acc['per_position'][k - 1]:.3f} |"
-              for k in range(1, acc["max_k"] + 1)]
+              + (f" {outside['tau'][str(k)]:.3f} |" if outside else "") for k in range(1, acc["max_k"] + 1)]
+    if outside:
+        lines += ["", f"{100 * outside['starts_in_loops']:.1f} % of the start positions draft into the loop their "
+                  "response ends in (repeats a looping target makes trivial to draft); the last column leaves them out."]
     if served is not None:
         lines += served_section(_load(served))
     with atomic_path(output_path) as tmp:

@@ -258,3 +258,32 @@ def test_per_sequence_counts_add_up_and_belong_to_their_sequence(tmp_path):
     assert together["positions"] == whole["positions"] and together["tau"] == whole["tau"]
     assert subset(whole, ["a"])["positions"] == sum(whole["by_sequence"]["a"])
     assert subset({"max_k": 3, "tau": {}}, ids) is None and subset(whole, ["unknown"]) is None
+
+
+def test_outside_loops_leaves_out_the_starts_whose_first_draft_token_repeats_a_trailing_loop(tmp_path):
+    """acceptance.json's outside_loops: a response that ends in a 4-token cycle has its repeats flagged (and only
+    those, only in its last loss-mask span), the starts drafting into them are left out of its figures, and a shard
+    without loops gives the overall figures."""
+    from eaglepipe.evaluate import loop_tokens, score
+    from eaglepipe.formats import write_hidden_shard
+
+    model = tiny_draft().eval()
+    embed = torch.randn(V, H, generator=torch.Generator().manual_seed(1))
+    shard = fake_shard([40, 50], seed=5)
+    cycle = torch.tensor([3, 1, 4, 1], dtype=torch.int32)
+    shard["input_ids"][40 + 10:] = cycle.repeat(10)  # sequence 2: 10 free tokens, then the cycle to its end
+    shard["input_ids"][40 + 9] = 2  # not part of the cycle
+    shard["loss_mask"][40:45] = 0  # its prompt: the response span starts at 5
+    flags = loop_tokens(shard)
+    assert not flags[:40].any() and not flags[40:54].any() and flags[54:].all()  # repeats after the first cycle
+    write_hidden_shard(tmp_path / "s.safetensors", shard, {"ids": ["free", "loops"]})
+    result = score(model, [str(tmp_path / "s.safetensors")], embed, max_k=3, max_tokens=64)
+    # starts t with t + 2 + 3 <= length and a response token at t + 2: 36 in the first; 43 (t = 3..45) in the second,
+    # of which those with t + 2 >= 14 draft into the loop (34)
+    assert result["positions"] == 36 + 43
+    assert result["outside_loops"]["positions"] == 36 + 9
+    assert result["outside_loops"]["starts_in_loops"] == 34 / 79
+    free = {k: v[:40] for k, v in shard.items() if k != "cu_seqlens"} | {"cu_seqlens": torch.tensor([0, 40])}
+    write_hidden_shard(tmp_path / "free.safetensors", free, {"ids": ["free"]})
+    alone = score(model, [str(tmp_path / "free.safetensors")], embed, max_k=3, max_tokens=64)
+    assert alone["outside_loops"]["tau"] == alone["tau"] and alone["outside_loops"]["starts_in_loops"] == 0

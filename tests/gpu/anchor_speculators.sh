@@ -121,7 +121,9 @@ print(json.dumps({k: summary[k] for k in ("anchor_offline_tau3", "ours_same_data
                                           "anchor_train_seconds")}))
 PY
     echo "evaluated in $(( $(date +%s) - start )) s"
-    tar -C $A -czf $OUT/anchor-draft.tgz draft   # serve it on the CPU machine like ours (README: served proof)
+    # Serve it on the CPU machine like ours (README: the anchor side by side). In 15 MB parts: the device tool left a
+    # 37 MB file behind ("size"); cat anchor-draft.tgz.part-* | tar -xzf - on the CPU machine.
+    tar -C $A -czf - draft | split -b 15M - $OUT/anchor-draft.tgz.part-
     ;;
 native)
     # speculators' defaults for the architecture (norm before fc, post-norm output fed back, normed residual): vLLM
