@@ -28,7 +28,6 @@ from .target import load_embeddings
 log = logging.getLogger(__name__)
 
 
-@torch.inference_mode()
 def loop_tokens(shard: dict) -> torch.Tensor:
     """bool per shard token: the tokens of each sequence's last response (its last loss-mask span) that repeat the
     loop the response ends in (traces.trailing_loop)."""
@@ -49,11 +48,12 @@ def loop_tokens(shard: dict) -> torch.Tensor:
     return flags
 
 
-def accepted_lengths(model, shard: dict, embed: torch.Tensor, max_k: int, max_tokens: int, device: str = "cpu",
-                     token_flags: torch.Tensor | None = None):
-    """Accepted draft tokens (0..max_k) at every start position whose continuation is generated, and the shard's
-    sequence index of each start; model and embed on `device`. With token_flags (bool per shard token), also
-    whether each start's first drafted token is flagged."""
+@torch.inference_mode()
+def accepted_lengths(model, shard: dict, embed: torch.Tensor, max_k: int, max_tokens: int, device: str,
+                     token_flags: torch.Tensor):
+    """Accepted draft tokens (0..max_k) at every start position whose continuation is generated, the shard's
+    sequence index of each start, and whether its first drafted token is flagged in token_flags (bool per shard
+    token); model and embed on `device`."""
     lengths, owners, flagged = [], [], []
     cu = shard["cu_seqlens"].tolist()
     n = len(cu) - 1
@@ -70,13 +70,12 @@ def accepted_lengths(model, shard: dict, embed: torch.Tensor, max_k: int, max_to
         hits = torch.stack(hits, 1)[starts]  # [starts, max_k]
         lengths.append(hits.int().cumprod(1).sum(1).cpu())
         owners.append(torch.tensor(seqs)[batch.doc.cpu()[starts.cpu()]])
-        if token_flags is not None:  # the batch's tokens in shard order, each sequence cut as collate cuts it
-            index = torch.cat([torch.arange(cu[i], min(cu[i + 1], cu[i] + max_tokens)) for i in seqs])
-            flagged.append(shifted(token_flags[index], 2, False)[starts.cpu()])
-    empty = torch.zeros(0, dtype=torch.int64)
+        # the batch's tokens in shard order, each sequence cut as collate cuts it
+        index = torch.cat([torch.arange(cu[i], min(cu[i + 1], cu[i] + max_tokens)) for i in seqs])
+        flagged.append(shifted(token_flags[index], 2, False)[starts.cpu()])
     if not lengths:
-        return empty, empty, (torch.zeros(0, dtype=torch.bool) if token_flags is not None else None)
-    return torch.cat(lengths), torch.cat(owners), (torch.cat(flagged) if token_flags is not None else None)
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool)
+    return torch.cat(lengths), torch.cat(owners), torch.cat(flagged)
 
 
 def summarise(lengths: torch.Tensor, max_k: int) -> dict:
@@ -115,8 +114,7 @@ def score(model, shard_paths: list[str], embed: torch.Tensor, max_k: int, max_to
     all_lengths, all_looped, by_sequence = [], [], {}
     for path in sorted(shard_paths):
         shard, metadata = read_hidden_shard(path)
-        lengths, owners, looped = accepted_lengths(model, shard, embed, max_k, max_tokens, device,
-                                                   token_flags=loop_tokens(shard))
+        lengths, owners, looped = accepted_lengths(model, shard, embed, max_k, max_tokens, device, loop_tokens(shard))
         ids = metadata.get("ids") or [f"{path}#{i}" for i in range(shard["cu_seqlens"].numel() - 1)]
         add_histograms(by_sequence, lengths, owners, ids, max_k)
         all_lengths.append(lengths)
