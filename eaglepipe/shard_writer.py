@@ -14,7 +14,9 @@ Three threads besides the caller's:
   the host buffer the rows came from);
 - the syncer, for `mark(callback)`: fdatasync's the file, then calls the callback; so a callback (the stage records a
   completed chunk there) only runs once the rows written before it are on disk, never while they are still in the
-  page cache of a machine that may crash;
+  page cache of a machine that may crash. The writer also has it sync after every `flush_bytes` written: the kernel
+  would otherwise hold gigabytes dirty (its background writeback starts at a share of RAM) and leave them all to
+  the fsync at close, after the capture, instead of writing them while the target runs;
 - the hasher computes the sha256 in file order while the file is written: the aux region is hashed (read back) as
   its completed prefix grows, the rest at close, so close does not re-read the whole file.
 
@@ -72,7 +74,7 @@ class StreamingShard:
 
     def __init__(self, path, *, input_ids: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
                  n_aux: int, hidden: int, metadata: dict, queue_depth: int = 4,
-                 keep: list[tuple[int, int]] = (), keep_partial: bool = False):
+                 keep: list[tuple[int, int]] = (), keep_partial: bool = False, flush_bytes: int = 1 << 30):
         self.path = Path(path)
         self.tokens = int(input_ids.numel())
         self.n_aux, self.hidden = n_aux, hidden
@@ -85,6 +87,7 @@ class StreamingShard:
         self.row_bytes = {"aux": n_aux * hidden * 2, "final": hidden * 2}
         self.tmp = self.path.with_name(f".{self.path.name}.partial")
         self.keep_partial = keep_partial
+        self.flush_bytes, self.unflushed = flush_bytes, 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
         small = [(name, _bytes(t.to(specs[name][0]))) for name, t in
                  (("cu_seqlens", cu_seqlens), ("input_ids", input_ids), ("loss_mask", loss_mask))]
@@ -158,6 +161,10 @@ class StreamingShard:
                             self._pwrite(_bytes(t[row: row + n]),
                                          self.base + self.offsets[name][0] + shard_row * self.row_bytes[name])
                     self._completed([(s, s + n) for s, _, n in runs])
+                    self.unflushed += sum(n for _, _, n in runs) * (self.row_bytes["aux"] + self.row_bytes["final"])
+                    if self.unflushed >= self.flush_bytes:  # keep the disk busy: no backlog left for close's fsync
+                        self.marks.put(_nothing)
+                        self.unflushed = 0
             except BaseException as err:  # reported to the capturing thread on its next write or at close
                 self._fail(err)
             finally:

@@ -18,3 +18,18 @@ def test_bench_runs_both_paths_on_cpu_and_reports_limits(tmp_path, tiny_target):
                 "share_of_compute_limit", "share_of_disk_limit", "ratio_to_naive"):
         assert result[key] > 0, key
     assert result["limit_tok_s"] == min(result["compute_limit_tok_s"], result["disk_limit_tok_s"])
+    assert result["forward_tok_s"] > 0 and result["forward_share_of_compute_limit"] > 0
+    # the CPU has no varlen kernel: both sides of the check are per-sequence SDPA, so they agree exactly
+    assert result["packed_check"]["kernel"] == "per-sequence SDPA"
+    assert result["packed_check"]["max_abs_diff"] == 0.0
+
+
+def test_matmul_params_leave_out_the_embedding_and_the_head():
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=100)
+    for tied in (False, True):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**small, tie_word_embeddings=tied))
+        layers = sum(p.numel() for p in model.model.layers.parameters())
+        assert bench_extraction.matmul_params(model) == layers + 32  # + the final norm's weight

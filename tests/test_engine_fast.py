@@ -30,22 +30,28 @@ PROMPTS = [[5, 9, 200, 31, 7, 8], [77, 3], [8, 8, 8, 8, 1, 2, 3, 4, 5, 6, 7], [2
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_capture_equals_output_hidden_states(kind):
+    """Packed sequences (no padding) give each sequence the states it has alone: attention never crosses into the
+    sequence before it, positions restart at 0 for each."""
     model = model_of(kind)
     assert supports(model)
-    width = max(map(len, PROMPTS))
-    ids = torch.tensor([p + [0] * (width - len(p)) for p in PROMPTS])  # right padding
+    ids = torch.tensor([t for p in PROMPTS for t in p])
     with torch.no_grad():
-        aux, final = Decoder(model).hidden_states(ids, [0, 2, 4])
-        for row, p in enumerate(PROMPTS):
+        aux, final = Decoder(model).hidden_states(ids, [len(p) for p in PROMPTS], [0, 2, 4])
+        at = 0
+        for p in PROMPTS:
             ref = model(torch.tensor([p]), output_hidden_states=True)
             n = len(p)
             for i, k in enumerate([0, 2]):
-                torch.testing.assert_close(aux[row, :n, i], ref.hidden_states[k][0], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(aux[at: at + n, i], ref.hidden_states[k][0], rtol=1e-5, atol=1e-5)
             # id 4 = number of layers: the last layer's output before the final norm
-            pre_norm = model.model.norm.weight  # the final state is norm(pre-norm): check both ends agree
-            torch.testing.assert_close(final[row, :n], ref.hidden_states[-1][0], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(model.model.norm(aux[row, :n, 2]), final[row, :n], rtol=1e-5, atol=1e-5)
-            assert pre_norm.shape[0] == aux.shape[-1]
+            torch.testing.assert_close(final[at: at + n], ref.hidden_states[-1][0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(model.model.norm(aux[at: at + n, 2]), final[at: at + n], rtol=1e-5, atol=1e-5)
+            at += n
+
+
+def test_packed_capture_refuses_lengths_that_do_not_add_up():
+    with pytest.raises(ValueError, match="lengths add up to 5, but 6 token ids"):
+        Decoder(model_of("llama")).hidden_states(torch.arange(6), [2, 3], [0])
 
 
 def reference_greedy(model, prompt, max_new_tokens, eos):

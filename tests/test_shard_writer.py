@@ -113,3 +113,29 @@ def test_a_kept_partial_is_reopened_without_truncation_and_another_is_not(tmp_pa
     shard.write(6, tensors["aux"][6:], tensors["final"][6:])
     with pytest.raises(RuntimeError, match="0 of 16 rows written"):
         shard.close()
+
+
+def test_writes_are_synced_every_flush_bytes_not_only_at_close(tmp_path, monkeypatch):
+    """Without marks, the writer still has the syncer fdatasync each time flush_bytes more have been written, so dirty
+    pages go to disk during capture instead of all at close (which fsyncs; fdatasync is only the syncer's)."""
+    import eaglepipe.shard_writer as sw
+
+    calls = []
+    real = sw.os.fdatasync
+    monkeypatch.setattr(sw.os, "fdatasync", lambda fd: (calls.append(fd), real(fd)))
+    tensors = shard_tensors([40, 40, 40, 40], n_aux=3, hidden=8)
+    row = (3 + 1) * 8 * 2  # bytes of one row: 3 aux states and the final one, bf16
+    for flush_rows, syncs in ((1000, 0), (70, 2)):  # 160 rows in writes of 20: past 80 and 160 rows with 70
+        calls.clear()
+        path = tmp_path / f"s{flush_rows}.safetensors"
+        shard = StreamingShard(path, input_ids=tensors["input_ids"], loss_mask=tensors["loss_mask"],
+                               cu_seqlens=tensors["cu_seqlens"], n_aux=3, hidden=8, metadata=META,
+                               flush_bytes=flush_rows * row)
+        for start in range(0, 160, 20):
+            shard.write(start, tensors["aux"][start:start + 20], tensors["final"][start:start + 20])
+        digest = shard.close()
+        if syncs:
+            assert 1 <= len(calls) <= syncs  # the syncer merges flushes queued while it syncs
+        else:
+            assert calls == []
+        assert digest == hashlib.sha256(path.read_bytes()).hexdigest()

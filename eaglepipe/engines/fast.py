@@ -8,9 +8,9 @@ Qwen2, Qwen3), this module runs the same modules (projections, norms, MLP, the m
   padded prompts, large length-sorted batches sized from free device memory, logits only at the last position, finished
   rows dropped from the batch as they end (the cache is compacted), greedy or temperature / top-p sampling from a
   seeded generator;
-- capture: right padded, length-sorted batches under a causal mask (padding after a sequence cannot change its
-  states), only the requested layers' inputs and the final normed state kept, copied to pinned host memory without
-  blocking while the next batch runs.
+- capture: packed batches (sequences one after another, no padding; variable-length flash attention keeps each
+  token within its own sequence), only the requested layers' inputs and the final normed state kept, copied to pinned
+  host memory without blocking while the next batch runs.
 
 Token ids come out exactly as the model computes them; in float32 they equal `model.generate`'s (tests compare them),
 in bf16 a different batch composition can round differently and flip a near-tied argmax (README: the measured share).
@@ -18,6 +18,7 @@ in bf16 a different batch composition can round differently and flip a near-tied
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -48,6 +49,46 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos[:, None] + _rotate_half(x) * sin[:, None]
 
 
+def _varlen_kernel():
+    """torch's variable-length flash attention and the keywords this torch's version of it takes, or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    import inspect
+
+    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
+
+
+def _varlen_attention(decoder, cu: torch.Tensor, longest: int, lengths: list[int]):
+    """attention(q, k, v) for a packed batch: q [N, heads, d], k/v [N, kv_heads, d] -> [N, heads, d], causal within
+    each sequence (cu: the int32 sequence boundaries on q's device)."""
+    groups = decoder.heads // decoder.kv_heads
+    kernel = _varlen_kernel() if decoder.uses_varlen() else None
+    if kernel is not None:
+        varlen_attn, accepts = kernel
+        causal = {"window_size": (-1, 0)} if "window_size" in accepts else {"is_causal": True}
+
+        def attention(q, k, v):
+            if groups > 1 and "enable_gqa" in accepts:
+                return varlen_attn(q, k, v, cu, cu, longest, longest, scale=decoder.scale, enable_gqa=True, **causal)
+            if groups > 1:
+                k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+            return varlen_attn(q, k, v, cu, cu, longest, longest, scale=decoder.scale, **causal)
+        return attention
+    ends = list(itertools.accumulate(lengths))
+    bounds = [(b - n, b) for b, n in zip(ends, lengths)]
+
+    def attention(q, k, v):
+        out = torch.empty_like(q)
+        for a, b in bounds:  # [heads, t, d] per sequence
+            out[a:b] = F.scaled_dot_product_attention(
+                q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=True,
+                scale=decoder.scale, enable_gqa=groups > 1).transpose(0, 1)
+        return out
+    return attention
+
+
 class Decoder:
     """The layers of one loaded model, run directly."""
 
@@ -65,6 +106,12 @@ class Decoder:
         self.dtype = next(model.parameters()).dtype
         self._table = None
         self.graphs = self.device.type == "cuda"  # CUDA graphs for the decode step (launch overhead dominates it)
+        self.varlen = True  # packed capture through the varlen flash kernel where it runs (False: per-sequence SDPA)
+
+    def uses_varlen(self) -> bool:
+        """Whether packed capture runs torch's varlen flash kernel: CUDA, 16-bit weights, a torch that has it."""
+        return (self.varlen and self.device.type == "cuda" and self.dtype != torch.float32
+                and _varlen_kernel() is not None)
 
     def rope(self, positions: torch.Tensor):
         """(cos, sin) [B, T, d] at positions [B, T], from a table the model's own rotary embedding computed once."""
@@ -112,34 +159,41 @@ class Decoder:
 
     # ---- capture ----
 
-    def hidden_states(self, ids: torch.Tensor, layer_ids: list[int], rows: torch.Tensor | None = None):
-        """ids [B, T] right padded -> (aux [B, T, n, H] inputs of layers layer_ids, final [B, T, H] after the norm).
-        rows (indices into the B * T flattened positions, e.g. the real tokens): only those, aux [R, n, H] and
-        final [R, H], gathered per layer as it passes (no padded [B, T, n, H] stack)."""
-        positions = torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
-        h = self.embed(ids)
-        cos, sin = self.rope(positions)
+    def hidden_states(self, ids: torch.Tensor, lengths: list[int], layer_ids: list[int]):
+        """Packed: ids [N] holds sequences of `lengths` tokens one after another (no padding) -> (aux [N, n, H], the
+        inputs of layers layer_ids; final [N, H], after the final norm). Each token attends to the earlier tokens of
+        its own sequence only: variable-length flash attention on CUDA (torch.nn.attention.varlen), else one causal
+        SDPA per sequence (the CPU reference of the same arithmetic)."""
+        n_tok = ids.shape[0]
+        if sum(lengths) != n_tok:
+            raise ValueError(f"packed batch: lengths add up to {sum(lengths)}, but {n_tok} token ids")
+        lens = torch.tensor(lengths, dtype=torch.int32)
+        cu = F.pad(lens.cumsum(0, dtype=torch.int32), (1, 0))
+        # position of each token within its sequence: its index minus its sequence's start
+        positions = torch.arange(n_tok, dtype=torch.long) - cu[:-1].long().repeat_interleave(lens.long())
+        positions = positions.to(ids.device, non_blocking=True)
+        cos, sin = (t[0, :, None] for t in self.rope(positions[None]))  # [N, 1, d]: one rotation per token
+        attention = _varlen_attention(self, cu.to(ids.device, non_blocking=True), max(lengths), lengths)
         wanted = {k: i for i, k in enumerate(layer_ids)}
         aux = [None] * len(layer_ids)
 
-        groups = self.heads // self.kv_heads
-
         def attend(attn, x):
-            q, k, v = self._qkv(attn, x, cos, sin)
-            if groups > 1:  # as repeat_kv does: the fused causal kernels then run (not all take grouped heads)
-                k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-            return self._attend(q, k, v, causal=True)
+            q = attn.q_proj(x).view(n_tok, -1, self.head_dim)
+            k = attn.k_proj(x).view(n_tok, -1, self.head_dim)
+            v = attn.v_proj(x).view(n_tok, -1, self.head_dim)
+            if hasattr(attn, "q_norm"):  # Qwen3: a norm over each head's vector before the rotation
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            return attention(q, k, v).reshape(n_tok, -1)
 
-        def keep(h):
-            return h if rows is None else h.flatten(0, 1).index_select(0, rows)
-
+        h = self.embed(ids)
         for n, layer in enumerate(self.layers):
             if n in wanted:
-                aux[wanted[n]] = keep(h)
+                aux[wanted[n]] = h
             h = self._layer(layer, h, attend)
         if len(self.layers) in wanted:  # "input of layer N": the last layer's output before the final norm
-            aux[wanted[len(self.layers)]] = keep(h)
-        return torch.stack(aux, -2), self.norm(keep(h))
+            aux[wanted[len(self.layers)]] = h
+        return torch.stack(aux, -2), self.norm(h)
 
     # ---- generation ----
 

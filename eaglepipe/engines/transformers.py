@@ -90,6 +90,20 @@ class TransformersEngine(Engine):
         if batch:
             yield batch
 
+    def _packed(self, sequences: list[list[int]], group: range):
+        """Consecutive sequences of group, in order, while they add up to at most max_batch_tokens tokens (a longer
+        sequence is a batch of its own). No bound in sequences: without padding, tokens alone size the batch."""
+        batch, tokens = [], 0
+        for i in group:
+            n = len(sequences[i])
+            if batch and tokens + n > self.settings.max_batch_tokens:
+                yield batch
+                batch, tokens = [], 0
+            batch.append(i)
+            tokens += n
+        if batch:
+            yield batch
+
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Generation]:
         results: list[Generation | None] = [None] * len(prompts)
@@ -204,16 +218,14 @@ class TransformersEngine(Engine):
     @torch.inference_mode()
     def capture_rows(self, sequences: list[list[int]], layer_ids: list[int],
                      groups: list[int] | None = None) -> Iterator[Rows]:
-        """The fast path: right padded, length-sorted batches under a causal mask; only the real rows are gathered on
-        the device and copied, without blocking, into a ring of host buffers (pinned on CUDA) allocated once; a batch
-        is handed out once its copy is done, while the device runs the next one."""
+        """The fast path: packed batches (consecutive sequences of a group, one after another, up to
+        engine.max_batch_tokens tokens: no padding, and each batch is one run of shard rows), copied without blocking
+        into a ring of host buffers (pinned on CUDA) allocated once; a batch is handed out once its copy is done,
+        while the device runs the next one."""
         if self.fast is None:
             yield from super().capture_rows(sequences, layer_ids, groups)
             return
-        plan = []
-        for group in group_ranges(len(sequences), groups):
-            sub = [sequences[i] for i in group]
-            plan += [[group[j] for j in batch] for batch in self._batches(sub)]
+        plan = [batch for group in group_ranges(len(sequences), groups) for batch in self._packed(sequences, group)]
         if not plan:
             return
         pin = self.device.type == "cuda"
@@ -231,18 +243,11 @@ class TransformersEngine(Engine):
             for batch in plan:
                 aux_buf, final_buf, release = ring.take()
                 taken = (batch, aux_buf, final_buf, release, _Done())  # released below if the forward fails
-                width = len(sequences[batch[-1]])  # ascending lengths: the last is the longest
-                ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-                take = []
-                for row, i in enumerate(batch):
-                    n = len(sequences[i])
-                    ids[row, :n] = torch.tensor(sequences[i])
-                    take.append(torch.arange(row * width, row * width + n))
-                take = torch.cat(take)
+                ids = torch.tensor([t for i in batch for t in sequences[i]], dtype=torch.long)
                 # non_blocking from pageable memory: staged at once, without waiting for the batch still running
-                aux, final = self.fast.hidden_states(ids.to(self.device, non_blocking=True), layer_ids,
-                                                     rows=take.to(self.device, non_blocking=True))
-                n = take.numel()
+                aux, final = self.fast.hidden_states(ids.to(self.device, non_blocking=True),
+                                                     [len(sequences[i]) for i in batch], layer_ids)
+                n = ids.numel()
                 aux_buf[:n].copy_(aux.to(torch.bfloat16), non_blocking=pin)
                 final_buf[:n].copy_(final.to(torch.bfloat16), non_blocking=pin)
                 done = torch.cuda.Event() if pin else _Done()
@@ -272,30 +277,34 @@ def _finish(batch, aux, final, release, done) -> Rows:
 
 
 class _Ring:
-    """Host buffers for captured rows, allocated once per engine (pinned memory is slow to allocate) and reused in
-    turn: a slot is handed out again only after the consumer released the Rows that used it."""
+    """Host buffers for captured rows, allocated once per engine (pinned memory is slow to allocate: ~1 s per GB) and
+    reused in turn: a slot is handed out again only after the consumer released the Rows that used it. Each slot is
+    allocated when first taken, so all but the first are pinned while the device runs the first batches."""
 
     def __init__(self, depth: int, rows: int, n_aux: int, hidden: int, pin: bool):
-        self.shape = (rows, n_aux, hidden)
-        self.slots = []
-        for _ in range(depth):
-            free = threading.Event()
+        self.shape, self.pin = (rows, n_aux, hidden), pin
+        self.slots = [None] * depth
+        self.free = [threading.Event() for _ in range(depth)]
+        for free in self.free:
             free.set()
-            self.slots.append((torch.empty(rows, n_aux, hidden, dtype=torch.bfloat16, pin_memory=pin),
-                               torch.empty(rows, hidden, dtype=torch.bfloat16, pin_memory=pin), free))
         self.next = 0
 
     def fits(self, rows: int, n_aux: int, hidden: int) -> bool:
         return rows <= self.shape[0] and (n_aux, hidden) == self.shape[1:]
 
     def take(self, patience: float = 3600.0):
-        aux, final, free = self.slots[self.next]
+        at = self.next
         self.next = (self.next + 1) % len(self.slots)
+        free = self.free[at]
         if not free.wait(patience):
             raise RuntimeError(f"capture_rows: no host buffer released within {patience:.0f} s; a consumer of Rows "
                                "must call rows.release() once done with them")
         free.clear()
-        return aux, final, free.set
+        if self.slots[at] is None:
+            rows, n_aux, hidden = self.shape
+            self.slots[at] = (torch.empty(rows, n_aux, hidden, dtype=torch.bfloat16, pin_memory=self.pin),
+                              torch.empty(rows, hidden, dtype=torch.bfloat16, pin_memory=self.pin))
+        return *self.slots[at], free.set
 
 
 class _Done:

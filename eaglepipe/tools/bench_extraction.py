@@ -86,6 +86,42 @@ def engine_on(model, device: str, dtype: str, fast: bool, max_batch_tokens: int)
     return engine
 
 
+def matmul_params(model) -> int:
+    """Parameters a forward multiplies by: all but the input embedding (a lookup) and the output head (extraction
+    computes no logits); a tied head is the embedding, counted once either way."""
+    skip = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    return sum(p.numel() for p in model.parameters() if id(p) not in skip)
+
+
+def forward_tok_s(engine, seqs, layer_ids) -> float:
+    """capture_rows over all sequences, each batch released as soon as it is handed out: no writer, no disk."""
+    sync(engine.device)
+    start = time.perf_counter()
+    for rows in engine.capture_rows(seqs, layer_ids):
+        rows.release()
+    sync(engine.device)
+    return sum(map(len, seqs)) / (time.perf_counter() - start)
+
+
+def packed_check(engine, seqs, layer_ids) -> dict:
+    """The packed capture's kernel (varlen flash on CUDA) against one causal SDPA per sequence on the same packed
+    batch: the largest difference of any captured value, relative to the mean magnitude of the final states."""
+    dec = engine.fast
+    ids = torch.tensor([t for s in seqs for t in s], device=engine.device)
+    lengths = [len(s) for s in seqs]
+    with torch.inference_mode():
+        aux, final = dec.hidden_states(ids, lengths, layer_ids)
+        dec.varlen = False
+        try:
+            ref_aux, ref_final = dec.hidden_states(ids, lengths, layer_ids)
+        finally:
+            dec.varlen = True
+    scale = ref_final.float().abs().mean().item()
+    diff = max((aux.float() - ref_aux.float()).abs().max().item(), (final.float() - ref_final.float()).abs().max().item())
+    return {"kernel": "varlen flash" if dec.uses_varlen() else "per-sequence SDPA", "sequences": len(seqs),
+            "max_abs_diff": diff, "relative_to_mean_final": diff / max(scale, 1e-12)}
+
+
 def run_path(engine, seqs, layer_ids, out: Path, shard_tokens: int, chunk_size: int, streaming: bool) -> float:
     """Capture every sequence and write shards; returns seconds, the last byte on disk (fsync) included.
     streaming: the stage's own code (hidden_states.extract: capture_rows into StreamingShard, chunk records in a
@@ -150,7 +186,7 @@ def main(argv=None) -> dict:
     config = model.config
     layers = config.num_hidden_layers
     layer_ids = [2, layers // 2, layers - 3]
-    params = sum(p.numel() for p in model.parameters()) - config.vocab_size * config.hidden_size  # no lm_head
+    params = matmul_params(model)
     lengths = draw_lengths(args.tokens, args.seed, args.lengths_from)
     gen = torch.Generator().manual_seed(args.seed + 1)
     seqs = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
@@ -166,6 +202,12 @@ def main(argv=None) -> dict:
     chunk_size = args.chunk_size or max(1, round(args.chunk_tokens * len(lengths) / tokens))
 
     fast = engine_on(model, args.device, args.dtype, True, args.max_batch_tokens)
+    check = packed_check(fast, seqs[:8], layer_ids)  # fail fast: a kernel that mixes sequences shows here
+    print(f"packed capture ({check['kernel']}) against per-sequence SDPA on {check['sequences']} sequences: "
+          f"max |diff| {check['max_abs_diff']:.3g} ({check['relative_to_mean_final']:.2%} of the mean |final|)")
+    if check["relative_to_mean_final"] > 0.05:
+        raise SystemExit("packed capture differs from per-sequence attention by more than 5 % of the states' "
+                         "magnitude: the varlen kernel is not keeping sequences apart; not benchmarking it")
     fast.capture(seqs[:4], layer_ids)  # warm (kernels; the host ring is allocated in the timed run, once)
     fast_s = run_path(fast, seqs, layer_ids, out / "fast", args.shard_tokens, chunk_size, streaming=True)
     shutil.rmtree(out / "fast", ignore_errors=True)
@@ -176,7 +218,8 @@ def main(argv=None) -> dict:
         "chunk_size": chunk_size,
         "fast_tok_s": tokens / fast_s, "matmul_peak_tflops": peak, "disk_write_gb_s": disk,
         "bytes_per_token": bytes_per_token, "compute_limit_tok_s": compute_limit, "disk_limit_tok_s": disk_limit,
-        "limit_tok_s": min(compute_limit, disk_limit),
+        "limit_tok_s": min(compute_limit, disk_limit), "matmul_params": params, "packed_check": check,
+        "max_batch_tokens": args.max_batch_tokens,
     }
     result["share_of_limit"] = result["fast_tok_s"] / result["limit_tok_s"]
     result["share_of_compute_limit"] = result["fast_tok_s"] / compute_limit
@@ -190,15 +233,22 @@ def main(argv=None) -> dict:
           f"the lower limit; {100 * result['share_of_compute_limit']:.0f} % of compute, "
           f"{100 * result['share_of_disk_limit']:.0f} % of disk; {result['achieved_tflops']:.0f} TFLOP/s, "
           f"{result['disk_gb_s_used']:.2f} GB/s)")
+    base_seqs = seqs
+    if args.baseline_tokens:
+        base_seqs, n = [], 0
+        for s in seqs:
+            if n >= args.baseline_tokens:
+                break
+            base_seqs.append(s)
+            n += len(s)
+    # The forward alone (capture_rows, no writer) on the baseline's sequences, the ring already allocated: how much
+    # of the shards' time the device work is.
+    result["forward_tok_s"] = forward_tok_s(fast, base_seqs, layer_ids)
+    result["forward_share_of_compute_limit"] = result["forward_tok_s"] / compute_limit
+    print(f"forward alone: {result['forward_tok_s']:,.0f} tok/s "
+          f"({100 * result['forward_share_of_compute_limit']:.0f} % of compute)")
+    del fast
     if not args.skip_baseline:
-        base_seqs = seqs
-        if args.baseline_tokens:
-            base_seqs, n = [], 0
-            for s in seqs:
-                if n >= args.baseline_tokens:
-                    break
-                base_seqs.append(s)
-                n += len(s)
         naive = engine_on(model, args.device, args.dtype, False, args.baseline_batch_tokens)
         naive.capture(base_seqs[:4], layer_ids)
         base_s = run_path(naive, base_seqs, layer_ids, out / "naive", args.shard_tokens, chunk_size,

@@ -16,23 +16,12 @@ import argparse
 import json
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from .bench_extraction import draw_lengths, engine_on, load_model, run_path
-from .limits import commit, describe, disk_write_gb_s, matmul_peak_tflops, sync
-
-
-def forward_tok_s(engine, seqs, layer_ids) -> float:
-    """capture_rows over all sequences, each batch released as soon as it is handed out: no writer, no disk."""
-    sync(engine.device)
-    start = time.perf_counter()
-    for rows in engine.capture_rows(seqs, layer_ids):
-        rows.release()
-    sync(engine.device)
-    return sum(map(len, seqs)) / (time.perf_counter() - start)
+from .bench_extraction import draw_lengths, engine_on, forward_tok_s, load_model, matmul_params, run_path
+from .limits import commit, describe, disk_write_gb_s, matmul_peak_tflops
 
 
 def settings_of(text: str) -> list[tuple[int, int]]:
@@ -65,7 +54,7 @@ def main(argv=None) -> dict:
     model = load_model(args.target, args.preset, device, {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype])
     config = model.config
     layer_ids = sorted({2, config.num_hidden_layers // 2, config.num_hidden_layers - 3})  # distinct on small models
-    params = sum(p.numel() for p in model.parameters()) - config.vocab_size * config.hidden_size
+    params = matmul_params(model)
     gen = torch.Generator().manual_seed(args.seed + 1)
     seqs = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist()
             for n in draw_lengths(args.tokens, args.seed)]

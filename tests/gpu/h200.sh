@@ -6,6 +6,7 @@
 #   bash tests/gpu/h200.sh setup-a   # carry .whl and .gguf/a: wheels the machine lacks, first half of the GGUF
 #   bash tests/gpu/h200.sh setup-b   # carry .gguf/b: second half; the embedded target converted as the target rule does
 #   bash tests/gpu/h200.sh bench     # generation and extraction (SmolLM2 and an 8B-shaped Llama) benchmarks
+#   bash tests/gpu/h200.sh bench-8b  # the 8B-shaped extraction alone: setup-a (wheels) is all it needs
 #   bash tests/gpu/h200.sh bench-train  # draft training benchmark (Kimi-K2- and SmolLM2-shaped drafts)
 #   bash tests/gpu/h200.sh quality [TARGET...]   # the h200-quality workflow up to TARGET (default: the acceptance
 #                                                # and the trace stats)
@@ -31,7 +32,7 @@ case "$stage" in
 setup-a)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         2>&1 | tail -2
-    cp .gguf/a/* /root/ && ls -la /root/gguf.part.aa
+    [ -d .gguf/a ] && cp .gguf/a/* /root/ && ls -la /root/gguf.part.aa   # not needed by bench-8b
     python3 -c "import snakemake, gguf, torch; print('snakemake', snakemake.__version__, 'torch', torch.__version__,
         torch.cuda.get_device_name(0))"
     ;;
@@ -54,8 +55,11 @@ bench)
         --repeat 4 --baseline-prompts 256 --json $OUT/gpu-generation.json 2>&1 | grep -v "Loading weights"
     python3 -m eaglepipe.tools.bench_extraction --target $T --device cuda --tokens 4000000 --baseline-tokens 1000000 \
         --chunk-size 256 --out /root/bench-out --json $OUT/gpu-extraction-smollm2.json 2>&1 | grep -v "Loading weights"
+    bash $0 bench-8b
+    ;;
+bench-8b)   # needs setup-a only (its wheels; no GGUF): the 8B shape has random weights
     python3 -m eaglepipe.tools.bench_extraction --preset llama-8b --device cuda --tokens 1000000 --baseline-tokens 250000 \
-        --shard-tokens 250000 --chunk-size 256 --out /root/bench-out --max-batch-tokens 32768 --json $OUT/gpu-extraction-llama8b.json \
+        --shard-tokens 250000 --out /root/bench-out --max-batch-tokens 65536 --json $OUT/gpu-extraction-llama8b.json \
         2>&1 | grep -v "Loading weights"
     ;;
 bench-train)
@@ -139,7 +143,7 @@ wait)
     cp /root/chain/chain.log $OUT/ 2>/dev/null; ls -la $OUT
     ;;
 *)
-    echo "usage: bash tests/gpu/h200.sh setup-a|setup-b|bench|quality|scaling|chain|wait" >&2
+    echo "usage: bash tests/gpu/h200.sh setup-a|setup-b|bench|bench-8b|bench-train|quality|scaling|chain|wait" >&2
     exit 2
     ;;
 esac
