@@ -109,14 +109,19 @@ class Decoder:
         self.varlen = True  # packed capture through the varlen flash kernel where it runs (False: per-sequence SDPA)
 
     def uses_varlen(self) -> bool:
-        """Whether packed capture runs torch's varlen flash kernel: CUDA, 16-bit weights, a torch that has it."""
+        """Whether packed capture runs torch's varlen flash kernel: a CUDA device it runs on (compute capability 8.0
+        or later), 16-bit weights, a torch that has it."""
         return (self.varlen and self.device.type == "cuda" and self.dtype != torch.float32
-                and _varlen_kernel() is not None)
+                and torch.cuda.get_device_capability(self.device) >= (8, 0) and _varlen_kernel() is not None)
 
-    def rope(self, positions: torch.Tensor):
-        """(cos, sin) [B, T, d] at positions [B, T], from a table the model's own rotary embedding computed once."""
+    def rope(self, positions: torch.Tensor, longest: int | None = None):
+        """(cos, sin) [B, T, d] at positions [B, T], from a table the model's own rotary embedding computed once;
+        longest: a bound on the positions the caller knows (spares a device-to-host sync)."""
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        need = 1 if capturing or not positions.numel() else int(positions.max()) + 1  # no host sync in a graph
+        if longest is not None:
+            need = longest
+        else:  # no host sync inside a graph
+            need = 1 if capturing or not positions.numel() else int(positions.max()) + 1
         if self._table is None or self._table[0].shape[0] < need:
             size = max(need, 4096)
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)
@@ -172,7 +177,7 @@ class Decoder:
         # position of each token within its sequence: its index minus its sequence's start
         positions = torch.arange(n_tok, dtype=torch.long) - cu[:-1].long().repeat_interleave(lens.long())
         positions = positions.to(ids.device, non_blocking=True)
-        cos, sin = (t[0, :, None] for t in self.rope(positions[None]))  # [N, 1, d]: one rotation per token
+        cos, sin = (t[0, :, None] for t in self.rope(positions[None], max(lengths)))  # [N, 1, d]: one per token
         attention = _varlen_attention(self, cu.to(ids.device, non_blocking=True), max(lengths), lengths)
         wanted = {k: i for i, k in enumerate(layer_ids)}
         aux = [None] * len(layer_ids)

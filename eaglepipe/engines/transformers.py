@@ -57,8 +57,13 @@ class TransformersEngine(Engine):
                                  "auto or off")
             log.info("fast path off: model type %s is not one it runs", self.model.config.model_type)
             return None
+        decoder = fast.Decoder(self.model)
         log.info("fast path on (%s, %s)", self.device, self.settings.dtype)
-        return fast.Decoder(self.model)
+        if self.device.type == "cuda" and not decoder.uses_varlen():
+            log.warning("hidden-state capture on %s runs one attention call per sequence (no varlen flash kernel "
+                        "for this device, dtype %s or torch %s): correct, but slow", self.device,
+                        self.settings.dtype, torch.__version__)
+        return decoder
 
     def _eos_ids(self) -> list[int]:
         eos = self.model.generation_config.eos_token_id
