@@ -30,7 +30,7 @@ def data(count=13, seed=0):
 
 
 def settings(fast):
-    # small batches: several per chunk, length-sorted, so a batch's rows are scattered over the shard
+    # small batches: several per chunk (packed on the fast path, 3 sequences at most on the reference path)
     return EngineSettings(batch_size=3, max_batch_tokens=40, fast_path=fast)
 
 

@@ -67,14 +67,18 @@ def _varlen_attention(decoder, cu: torch.Tensor, longest: int, lengths: list[int
     kernel = _varlen_kernel() if decoder.uses_varlen() else None
     if kernel is not None:
         varlen_attn, accepts = kernel
-        causal = {"window_size": (-1, 0)} if "window_size" in accepts else {"is_causal": True}
+        # torch 2.10 takes is_causal (and no scale: its default, 1/sqrt(d), is the model's); later ones window_size
+        options = {"window_size": (-1, 0)} if "window_size" in accepts else {"is_causal": True}
+        if "scale" in accepts:
+            options["scale"] = decoder.scale
+        native_gqa = groups > 1 and "enable_gqa" in accepts
+        if native_gqa:
+            options["enable_gqa"] = True
 
         def attention(q, k, v):
-            if groups > 1 and "enable_gqa" in accepts:
-                return varlen_attn(q, k, v, cu, cu, longest, longest, scale=decoder.scale, enable_gqa=True, **causal)
-            if groups > 1:
+            if groups > 1 and not native_gqa:
                 k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-            return varlen_attn(q, k, v, cu, cu, longest, longest, scale=decoder.scale, **causal)
+            return varlen_attn(q, k, v, cu, cu, longest, longest, **options)
         return attention
     ends = list(itertools.accumulate(lengths))
     bounds = [(b - n, b) for b, n in zip(ends, lengths)]

@@ -15,8 +15,10 @@ own streaming code (hidden_states.extract: engine.capture_rows into a ring of pi
 their offsets by shard_writer.StreamingShard while the next batch runs, chunk records of --chunk-size sequences for
 resume); the naive path through `model(..., output_hidden_states=True)` on padded batches (`engine.fast_path: false`),
 then one `save_file` per shard, as the stage did before. Prints tokens/s of each, their ratio, and the limits measured
-in the same run: compute (bf16 matmul peak / 2 x parameters per token) and disk (sequential write rate / bytes per
-token); the fast path's share of each and of the lower one.
+in the same run: compute (bf16 matmul peak / 2 x the parameters a forward multiplies by: no embedding, no head) and
+disk (sequential write rate / bytes per token); the fast path's share of each and of the lower one. Also the forward
+alone (capture_rows with no writer, on the baseline's sequences) and, before anything is timed, the packed kernel
+against per-sequence attention on the first 8 sequences (`packed_check`; over 5 % relative error stops the run).
 """
 
 from __future__ import annotations
@@ -105,21 +107,21 @@ def forward_tok_s(engine, seqs, layer_ids) -> float:
 
 def packed_check(engine, seqs, layer_ids) -> dict:
     """The packed capture's kernel (varlen flash on CUDA) against one causal SDPA per sequence on the same packed
-    batch: the largest difference of any captured value, relative to the mean magnitude of the final states."""
+    batch: the relative error ||kernel - reference|| / ||reference|| of the aux and of the final states (bf16
+    rounding gives about 1e-2; attention reaching into another sequence gives order 1)."""
     dec = engine.fast
     ids = torch.tensor([t for s in seqs for t in s], device=engine.device)
     lengths = [len(s) for s in seqs]
     with torch.inference_mode():
-        aux, final = dec.hidden_states(ids, lengths, layer_ids)
+        got = dec.hidden_states(ids, lengths, layer_ids)
         dec.varlen = False
         try:
-            ref_aux, ref_final = dec.hidden_states(ids, lengths, layer_ids)
+            ref = dec.hidden_states(ids, lengths, layer_ids)
         finally:
             dec.varlen = True
-    scale = ref_final.float().abs().mean().item()
-    diff = max((aux.float() - ref_aux.float()).abs().max().item(), (final.float() - ref_final.float()).abs().max().item())
+    errors = [((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item() for a, b in zip(got, ref)]
     return {"kernel": "varlen flash" if dec.uses_varlen() else "per-sequence SDPA", "sequences": len(seqs),
-            "max_abs_diff": diff, "relative_to_mean_final": diff / max(scale, 1e-12)}
+            "aux_relative_error": errors[0], "final_relative_error": errors[1]}
 
 
 def run_path(engine, seqs, layer_ids, out: Path, shard_tokens: int, chunk_size: int, streaming: bool) -> float:
@@ -204,10 +206,10 @@ def main(argv=None) -> dict:
     fast = engine_on(model, args.device, args.dtype, True, args.max_batch_tokens)
     check = packed_check(fast, seqs[:8], layer_ids)  # fail fast: a kernel that mixes sequences shows here
     print(f"packed capture ({check['kernel']}) against per-sequence SDPA on {check['sequences']} sequences: "
-          f"max |diff| {check['max_abs_diff']:.3g} ({check['relative_to_mean_final']:.2%} of the mean |final|)")
-    if check["relative_to_mean_final"] > 0.05:
-        raise SystemExit("packed capture differs from per-sequence attention by more than 5 % of the states' "
-                         "magnitude: the varlen kernel is not keeping sequences apart; not benchmarking it")
+          f"relative error aux {check['aux_relative_error']:.2e}, final {check['final_relative_error']:.2e}")
+    if max(check["aux_relative_error"], check["final_relative_error"]) > 0.05:
+        raise SystemExit("packed capture differs from per-sequence attention by more than 5 % (relative norm): the "
+                         "varlen kernel is not keeping sequences apart; not benchmarking it")
     fast.capture(seqs[:4], layer_ids)  # warm (kernels; the host ring is allocated in the timed run, once)
     fast_s = run_path(fast, seqs, layer_ids, out / "fast", args.shard_tokens, chunk_size, streaming=True)
     shutil.rmtree(out / "fast", ignore_errors=True)
