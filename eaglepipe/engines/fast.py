@@ -18,6 +18,7 @@ in bf16 a different batch composition can round differently and flip a near-tied
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -49,6 +50,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos[:, None] + _rotate_half(x) * sin[:, None]
 
 
+@functools.lru_cache(maxsize=1)
 def _varlen_kernel():
     """torch's variable-length flash attention and the keywords this torch's version of it takes, or None."""
     try:
@@ -142,17 +144,15 @@ class Decoder:
             q, k = attn.q_norm(q), attn.k_norm(k)
         return _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin), v
 
-    def _attend(self, q, k, v, mask=None, causal=False):
-        """q [B, heads, t, d], k/v [B, kv_heads, S, d]. With a mask (generation), the query heads sharing a KV head
-        are stacked along the query axis, so the cache is read as it is, never repeated per query head."""
+    def _attend(self, q, k, v, mask):
+        """q [B, heads, t, d], k/v [B, kv_heads, S, d] under mask (generation's cache). The query heads sharing a KV
+        head are stacked along the query axis, so the cache is read as it is, never repeated per query head."""
         b, heads, t, d = q.shape
-        groups = heads // self.kv_heads
-        if mask is not None and groups > 1:  # mask [B, 1, groups * t, S]: grouped_mask() made it
-            q = q.reshape(b, self.kv_heads, groups * t, d)  # head kv * groups + g: rows g-major, as repeat_kv orders
+        if heads > self.kv_heads:  # mask [B, 1, groups * t, S]: grouped_mask() made it
+            q = q.reshape(b, self.kv_heads, heads // self.kv_heads * t, d)  # rows g-major, as repeat_kv orders
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale).view(b, heads, t, d)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
-                                                 enable_gqa=groups > 1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return out.transpose(1, 2).reshape(b, t, -1)
 
     def grouped_mask(self, mask: torch.Tensor) -> torch.Tensor:
@@ -292,7 +292,7 @@ class Decoder:
                 else:
                     k_cache[:, :, slot: slot + k.shape[2]] = k
                     v_cache[:, :, slot: slot + k.shape[2]] = v
-                return self._attend(q, k_cache[:, :, :width], v_cache[:, :, :width], mask=mask)
+                return self._attend(q, k_cache[:, :, :width], v_cache[:, :, :width], mask)
 
             h = self._layer(layer, h, attend)
         return self.lm_head(self.norm(h[:, -1])).float()
