@@ -181,18 +181,13 @@ class Decoder:
         # position of each token within its sequence: its index minus its sequence's start
         positions = torch.arange(n_tok, dtype=torch.long) - cu[:-1].long().repeat_interleave(lens.long())
         positions = positions.to(ids.device, non_blocking=True)
-        cos, sin = (t[0, :, None] for t in self.rope(positions[None], max(lengths)))  # [N, 1, d]: one per token
+        cos, sin = self.rope(positions[None], max(lengths))  # [1, N, d]: the packed batch as one row
         attention = _varlen_attention(self, cu.to(ids.device, non_blocking=True), max(lengths), lengths)
         wanted = {k: i for i, k in enumerate(layer_ids)}
         aux = [None] * len(layer_ids)
 
-        def attend(attn, x):
-            q = attn.q_proj(x).view(n_tok, -1, self.head_dim)
-            k = attn.k_proj(x).view(n_tok, -1, self.head_dim)
-            v = attn.v_proj(x).view(n_tok, -1, self.head_dim)
-            if hasattr(attn, "q_norm"):  # Qwen3: a norm over each head's vector before the rotation
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        def attend(attn, x):  # _qkv on the packed batch as one row [1, heads, N, d], seen as [N, heads, d]
+            q, k, v = (t[0].transpose(0, 1) for t in self._qkv(attn, x[None], cos, sin))
             return attention(q, k, v).reshape(n_tok, -1)
 
         h = self.embed(ids)
