@@ -17,7 +17,8 @@ resume); the naive path through `model(..., output_hidden_states=True)` on padde
 then one `save_file` per shard, as the stage did before. Prints tokens/s of each, their ratio, and the limits measured
 in the same run: compute (bf16 matmul peak / 2 x the parameters a forward multiplies by: no embedding, no head) and
 disk (sequential write rate / bytes per token); the fast path's share of each and of the lower one. Also the forward
-alone (capture_rows with no writer, on the baseline's sequences) and, before anything is timed, the packed kernel
+alone (capture_rows with no writer, on the baseline's sequences), the shard writer alone (one shard of host rows,
+no GPU: `writer_tok_s`) and, before anything is timed, the packed kernel
 against per-sequence attention on the first 8 sequences (`packed_check`; over 5 % relative error stops the run).
 """
 
@@ -28,6 +29,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -36,6 +38,7 @@ import torch
 from ..engines.base import EngineSettings
 from ..formats import write_hidden_shard
 from ..hidden_states import extract, shard_tensors
+from ..shard_writer import StreamingShard
 from ..units import Units
 from .limits import commit, describe, disk_write_gb_s, matmul_peak_tflops, sync
 
@@ -103,6 +106,28 @@ def forward_tok_s(engine, seqs, layer_ids) -> float:
         rows.release()
     sync(engine.device)
     return sum(map(len, seqs)) / (time.perf_counter() - start)
+
+
+def writer_tok_s(out: Path, tokens: int, n_aux: int, hidden: int, batch_tokens: int) -> float:
+    """StreamingShard alone: one shard of `tokens` rows fed in order, `batch_tokens` rows a batch, from two host
+    buffers reused as the engine's ring reuses them (filled once, no GPU), closed (hash, fsync, rename) within the
+    time: the host path's own rate, to set against the disk probe and the full path."""
+    torch.manual_seed(0)
+    ring = [(torch.empty(batch_tokens, n_aux, hidden, dtype=torch.bfloat16).normal_(),
+             torch.empty(batch_tokens, hidden, dtype=torch.bfloat16).normal_()) for _ in range(2)]
+    free = [threading.Semaphore(1) for _ in ring]
+    small = shard_tensors([[0] * tokens], [[1] * tokens])
+    start = time.perf_counter()
+    with StreamingShard(out / "writer.safetensors", **small, n_aux=n_aux, hidden=hidden, metadata={}) as shard:
+        for i, row in enumerate(range(0, tokens, batch_tokens)):
+            n = min(batch_tokens, tokens - row)
+            slot = i % len(ring)
+            free[slot].acquire()
+            shard.write_runs([(row, 0, n)], *ring[slot], release=free[slot].release)
+        shard.close()
+    seconds = time.perf_counter() - start
+    (out / "writer.safetensors").unlink()
+    return tokens / seconds
 
 
 def packed_check(engine, seqs, layer_ids) -> dict:
@@ -203,6 +228,9 @@ def main(argv=None) -> dict:
     tokens = sum(lengths)
     chunk_size = args.chunk_size or max(1, round(args.chunk_tokens * len(lengths) / tokens))
 
+    writer = writer_tok_s(out, min(args.shard_tokens, tokens), len(layer_ids), config.hidden_size,
+                          args.max_batch_tokens)
+    print(f"shard writer alone: {writer:,.0f} tok/s ({100 * writer / disk_limit:.0f} % of the disk limit)")
     fast = engine_on(model, args.device, args.dtype, True, args.max_batch_tokens)
     check = packed_check(fast, seqs[:8], layer_ids)  # fail fast: a kernel that mixes sequences shows here
     print(f"packed capture ({check['kernel']}) against per-sequence SDPA on {check['sequences']} sequences: "
@@ -221,7 +249,7 @@ def main(argv=None) -> dict:
         "fast_tok_s": tokens / fast_s, "matmul_peak_tflops": peak, "disk_write_gb_s": disk,
         "bytes_per_token": bytes_per_token, "compute_limit_tok_s": compute_limit, "disk_limit_tok_s": disk_limit,
         "limit_tok_s": min(compute_limit, disk_limit), "matmul_params": params, "packed_check": check,
-        "max_batch_tokens": args.max_batch_tokens,
+        "max_batch_tokens": args.max_batch_tokens, "writer_tok_s": writer,
     }
     result["share_of_limit"] = result["fast_tok_s"] / result["limit_tok_s"]
     result["share_of_compute_limit"] = result["fast_tok_s"] / compute_limit
