@@ -270,11 +270,13 @@ class StreamingShard:
             else:
                 self.error = self.error or RuntimeError("closed before complete")
             self.lock.notify_all()
-        self.threads[2].join()
-        try:
+        try:  # the last rows go to disk while the hasher reads the rest of the file
             if ok and self.error is None:
                 os.fsync(self.fd)
+        except OSError as err:
+            self._fail(err)
         finally:
+            self.threads[2].join()
             os.close(self.fd)
             self.fd = None
         if not ok or not complete or self.error is not None:

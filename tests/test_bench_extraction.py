@@ -15,7 +15,7 @@ def test_bench_runs_both_paths_on_cpu_and_reports_limits(tmp_path, tiny_target):
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert result["tokens"] >= 1500 and result["chunk_size"] == 3
     for key in ("fast_tok_s", "naive_tok_s", "compute_limit_tok_s", "disk_limit_tok_s", "share_of_limit",
-                "share_of_compute_limit", "share_of_disk_limit", "ratio_to_naive", "writer_tok_s"):
+                "share_of_compute_limit", "share_of_disk_limit", "ratio_to_naive", "writer_tok_s", "sha256_gb_s"):
         assert result[key] > 0, key
     assert result["limit_tok_s"] == min(result["compute_limit_tok_s"], result["disk_limit_tok_s"])
     assert not (tmp_path / "bench" / "writer.safetensors").exists()  # the writer's own shard is not left behind

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from pathlib import Path
@@ -43,6 +44,18 @@ def disk_write_gb_s(folder, gigabytes: float = 4.0) -> float:
         elapsed = time.perf_counter() - start
         path.unlink(missing_ok=True)
     return blocks * len(block) / elapsed / 1e9
+
+
+def sha256_gb_s(gigabytes: float = 1.0) -> float:
+    """One sha256 stream over bytes in memory, in 16 MiB updates (the shard writer's hasher: a shard's checksum is
+    one sequential stream, so this bounds the rate a shard can be written and checksummed)."""
+    block = memoryview(os.urandom(1 << 24))
+    blocks = max(1, int(gigabytes * 1e9) // len(block))
+    digest = hashlib.sha256()
+    start = time.perf_counter()
+    for _ in range(blocks):
+        digest.update(block)
+    return blocks * len(block) / (time.perf_counter() - start) / 1e9
 
 
 def sync(device: torch.device) -> None:
