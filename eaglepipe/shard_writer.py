@@ -18,7 +18,8 @@ Three threads besides the caller's:
   would otherwise hold gigabytes dirty (its background writeback starts at a share of RAM) and leave them all to
   the fsync at close, after the capture, instead of writing them while the target runs;
 - the hasher computes the sha256 in file order while the file is written: the aux region is hashed (read back) as
-  its completed prefix grows, the rest at close, so close does not re-read the whole file.
+  its completed prefix grows, the rest at close, so close does not re-read the whole file; it reads the file through
+  a read-only mapping (the page cache, no copy).
 
 The file is written as `.<name>.partial` beside the output and renamed only when complete, so a crashed job leaves
 nothing Snakemake would take as done. The partial file is the resume state: opened with `keep` (row ranges a stage
@@ -31,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
+import mmap
 import os
 import queue
 import threading
@@ -40,7 +42,7 @@ import torch
 
 # safetensors orders tensors by dtype size (largest first), then by name; these are the shard's (formats.SHARD_KEYS).
 _DTYPES = {torch.int64: ("I64", 8), torch.int32: ("I32", 4), torch.bfloat16: ("BF16", 2), torch.uint8: ("U8", 1)}
-_BLOCK = 1 << 24  # bytes per read-back while hashing
+_BLOCK = 1 << 24  # bytes per sha256 update while hashing
 
 
 def header(specs: dict[str, tuple[torch.dtype, list[int]]], metadata: dict[str, str]) -> tuple[bytes, dict]:
@@ -199,26 +201,33 @@ class StreamingShard:
             self.lock.notify_all()
 
     def _hash(self) -> None:
-        """The hasher: sha256 of the file in order, up to hash_to as it grows (the whole file once closed)."""
-        buf = bytearray(_BLOCK)
-        while True:
-            with self.lock:
-                while self.hashed >= self.hash_to and not (self.closed and self.hashed >= self.end) \
-                        and self.error is None:
-                    self.lock.wait()
-                if self.error is not None or self.hashed >= self.end:
-                    return
-                target = self.hash_to
-            try:
+        """The hasher: sha256 of the file in order, up to hash_to as it grows (the whole file once closed). It reads
+        the file through a read-only mapping: the rows just written are in the page cache, and sha256 reads them
+        there, with no copy into a buffer of its own (a copy costs a share of what hashing costs)."""
+        try:
+            mapping = mmap.mmap(self.fd, self.end, prot=mmap.PROT_READ)
+        except BaseException as err:
+            self._fail(err)
+            return
+        view = memoryview(mapping)
+        try:
+            while True:
+                with self.lock:
+                    while self.hashed >= self.hash_to and not (self.closed and self.hashed >= self.end) \
+                            and self.error is None:
+                        self.lock.wait()
+                    if self.error is not None or self.hashed >= self.end:
+                        return
+                    target = self.hash_to
                 while self.hashed < target:
-                    n = os.preadv(self.fd, [memoryview(buf)[: min(_BLOCK, target - self.hashed)]], self.hashed)
-                    if n <= 0:
-                        raise OSError(f"{self.tmp}: short read at byte {self.hashed} while hashing")
-                    self.digest.update(memoryview(buf)[:n])
+                    n = min(_BLOCK, target - self.hashed)
+                    self.digest.update(view[self.hashed: self.hashed + n])
                     self.hashed += n
-            except BaseException as err:
-                self._fail(err)
-                return
+        except BaseException as err:
+            self._fail(err)
+        finally:
+            view.release()
+            mapping.close()
 
     # ---- the caller's side ----
 
