@@ -49,6 +49,23 @@ def test_capture_equals_output_hidden_states(kind):
             at += n
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_fused_norm_equals_the_model_norm(kind):
+    """The capture's rms_norm against each layout's own RMSNorm module: equal in float32, within one bf16 rounding of
+    the output in bf16 (it applies the weight before the cast back where the module rounds first)."""
+    from eaglepipe.engines.fast import _rms_norm
+
+    model = model_of(kind)
+    norm = model.model.layers[1].post_attention_layernorm
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 2.0)
+        x = torch.randn(33, SMALL["hidden_size"]) * 3
+        torch.testing.assert_close(_rms_norm(norm, x), norm(x), rtol=1e-6, atol=1e-6)
+        norm.to(torch.bfloat16)
+        got, ref = _rms_norm(norm, x.bfloat16()).float(), norm(x.bfloat16()).float()
+        assert ((got - ref).abs() <= 2 * 2 ** -8 * ref.abs() + 1e-6).all()
+
+
 def test_packed_capture_refuses_lengths_that_do_not_add_up():
     with pytest.raises(ValueError, match="lengths add up to 5, but 6 token ids"):
         Decoder(model_of("llama")).hidden_states(torch.arange(6), [2, 3], [0])
