@@ -1,8 +1,8 @@
 """Hidden-state stage: the target's aux and final hidden states for the tokens of one trace shard.
 
-Each job writes its shard and, beside it, the shard's record (shard-i.json): the sha256 of the bytes it wrote
-(hashed before the rename, so it is what extraction produced, never what is on disk later) and its counts. The
-manifest only gathers these records; validation and training compare the bytes on disk against them.
+Each job writes its shard and, beside it, the shard's record (shard-i.json): the sha256_tree of the bytes it wrote
+(hashed as they were written, before the rename, so it is what extraction produced, never what is on disk later)
+and its counts. The manifest only gathers these records; validation and training compare the bytes on disk against them.
 Shard and manifest formats are defined in formats.py.
 """
 
@@ -23,6 +23,7 @@ from .formats import (
     atomic_path,
     read_table,
     sha256_file,
+    sha256_tree,
     write_hidden_shard,
     write_json,
 )
@@ -66,9 +67,9 @@ def record_path_of(shard_path) -> Path:
     return Path(shard_path).with_suffix(".json")
 
 
-def write_record(record_path, shard_path, *, sha256: str, tensors: dict, metadata: dict) -> dict:
-    """The record of a shard just written: its file name, the sha256 of its bytes, its counts and settings."""
-    record = {"shard": Path(shard_path).name, "sha256": sha256, "bytes": Path(shard_path).stat().st_size,
+def write_record(record_path, shard_path, *, digest: str, tensors: dict, metadata: dict) -> dict:
+    """The record of a shard just written: its file name, the sha256_tree of its bytes, its counts and settings."""
+    record = {"shard": Path(shard_path).name, "sha256_tree": digest, "bytes": Path(shard_path).stat().st_size,
               "samples": len(metadata["ids"]), "tokens": int(tensors["input_ids"].numel()),
               "loss_tokens": int(tensors["loss_mask"].sum()), "layer_ids": metadata["layer_ids"],
               "target_fingerprint": metadata["target_fingerprint"]}
@@ -81,8 +82,8 @@ def write_shard(output_path, record_path, tensors: dict, metadata: dict) -> dict
     its record (the reference for extract's streamed bytes; tests compare them)."""
     with atomic_path(output_path) as tmp:
         write_hidden_shard(tmp, tensors, metadata)
-        digest = sha256_file(tmp)
-    return write_record(record_path, output_path, sha256=digest, tensors=tensors, metadata=metadata)
+        digest = sha256_tree(tmp)
+    return write_record(record_path, output_path, digest=digest, tensors=tensors, metadata=metadata)
 
 
 def shard_tensors(seqs: list[list[int]], masks: list[list[int]]) -> dict:
@@ -115,7 +116,7 @@ def runs_of(indices: list[int], lengths: list[int], starts: list[int]) -> list[t
 
 def extract(eng, output_path, seqs: list[list[int]], small: dict, metadata: dict, layer_ids: list[int], *,
             hidden: int, chunk_size: int, units: Units | None = None, progress: Progress | None = None) -> str:
-    """Capture every sequence's rows and stream them into the shard at output_path; returns its sha256.
+    """Capture every sequence's rows and stream them into the shard at output_path; returns its sha256_tree.
 
     Chunks of chunk_size sequences are the units of resume: when a chunk's rows are on disk (in the shard's partial
     file, fdatasync'd), its row range is recorded in `units`; a rerun with the same units reopens the partial file
@@ -186,7 +187,7 @@ def run(trace_path, output_path, *, target_dir, layer_ids, engine: dict, max_len
     with open_engine(target_dir, EngineSettings.from_config(engine)) as eng:
         digest = extract(eng, output_path, seqs, small, metadata, layer_ids, hidden=info.hidden_size,
                          chunk_size=chunk_size, units=units, progress=progress)
-    write_record(record_path or record_path_of(output_path), output_path, sha256=digest, tensors=small,
+    write_record(record_path or record_path_of(output_path), output_path, digest=digest, tensors=small,
                  metadata=metadata)
     units.finish(-(-len(seqs) // chunk_size))
 
@@ -208,10 +209,14 @@ def manifest(shard_paths: dict[str, list[str]], record_paths: dict[str, list[str
                                  f"delete {path} and {record_path} so its hidden_states job re-runs")
             if layer_ids is not None and record["layer_ids"] != layer_ids:
                 raise ValueError(f"{path}: layer ids {record['layer_ids']} differ from other shards' {layer_ids}")
+            if "sha256_tree" not in record:
+                raise ValueError(f"{record_path}: no sha256_tree (an earlier eaglepipe recorded a plain sha256); "
+                                 f"delete {path} and {record_path} so its hidden_states job re-runs")
             layer_ids = record["layer_ids"]
             tokens[split] += record["tokens"]
             shards.append({"path": str(path), "split": split, "samples": record["samples"],
-                           "tokens": record["tokens"], "loss_tokens": record["loss_tokens"], "sha256": record["sha256"]})
+                           "tokens": record["tokens"], "loss_tokens": record["loss_tokens"],
+                           "sha256_tree": record["sha256_tree"]})
     info = read_info(target_dir)
     write_json(output_path, {
         "layer_ids": layer_ids, "layer_convention": LAYER_CONVENTION, "hidden_size": info.hidden_size,

@@ -17,9 +17,11 @@ Three threads besides the caller's:
   page cache of a machine that may crash. The writer also has it sync after every `flush_bytes` written: the kernel
   would otherwise hold gigabytes dirty (its background writeback starts at a share of RAM) and leave them all to
   the fsync at close, after the capture, instead of writing them while the target runs;
-- the hasher computes the sha256 in file order while the file is written: the aux region is hashed (read back) as
-  its completed prefix grows, the rest at close, so close does not re-read the whole file; it reads the file through
-  a read-only mapping (the page cache, no copy).
+- the hashers (a small pool) compute the shard's content hash, formats.sha256_tree, while the file is written: each
+  TREE_BLOCK-byte block is hashed as soon as its last byte is written, read back through a read-only mapping (the
+  page cache, no copy), on several cores at once. So close waits for the last few blocks only, and hashing never
+  bounds the write: one sha256 stream in file order runs at about the disk's rate on one core, and could only take
+  the `final` region once every `aux` row was in.
 
 The file is written as `.<name>.partial` beside the output and renamed only when complete, so a crashed job leaves
 nothing Snakemake would take as done. The partial file is the resume state: opened with `keep` (row ranges a stage
@@ -36,13 +38,16 @@ import mmap
 import os
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from .formats import TREE_BLOCK, tree_of
+
 # safetensors orders tensors by dtype size (largest first), then by name; these are the shard's (formats.SHARD_KEYS).
 _DTYPES = {torch.int64: ("I64", 8), torch.int32: ("I32", 4), torch.bfloat16: ("BF16", 2), torch.uint8: ("U8", 1)}
-_BLOCK = 1 << 24  # bytes per sha256 update while hashing
+HASH_THREADS = min(4, os.cpu_count() or 1)
 
 
 def header(specs: dict[str, tuple[torch.dtype, list[int]]], metadata: dict[str, str]) -> tuple[bytes, dict]:
@@ -72,11 +77,11 @@ def _nothing() -> None:
 
 class StreamingShard:
     """with StreamingShard(path, small tensors, n_aux, hidden, metadata) as shard: shard.write(start, aux, final) ...;
-    digest = shard.close()."""
+    digest = shard.close() (formats.sha256_tree of the file)."""
 
     def __init__(self, path, *, input_ids: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
                  n_aux: int, hidden: int, metadata: dict, queue_depth: int = 4,
-                 keep: list[tuple[int, int]] = (), keep_partial: bool = False, flush_bytes: int = 1 << 30):
+                 keep: list[tuple[int, int]] = (), keep_partial: bool = False, flush_bytes: int = 1 << 28):
         self.path = Path(path)
         self.tokens = int(input_ids.numel())
         self.n_aux, self.hidden = n_aux, hidden
@@ -98,20 +103,26 @@ class StreamingShard:
         flags = os.O_RDWR | os.O_CREAT | (0 if self.kept else os.O_TRUNC)
         self.fd = os.open(self.tmp, flags, 0o644)
         os.ftruncate(self.fd, self.end)
+        self.error: BaseException | None = None
+        # Completed aux rows: a heap of (start, stop) runs and the prefix 0..frontier known complete.
+        self.frontier, self.runs, self.lock = 0, [], threading.Condition()
+        # The content hash: bytes still to be written in each block; a block is hashed once none are left.
+        self.left = [min(TREE_BLOCK, self.end - at) for at in range(0, self.end, TREE_BLOCK)]
+        self.leaves: list = [None] * len(self.left)
+        self.mapping = mmap.mmap(self.fd, self.end, prot=mmap.PROT_READ) if self.end else None
+        self.hashers = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix=f"hash {self.path.name}")
         self._pwrite(head, 0)
         for name, data in small:
             self._pwrite(data, self.base + self.offsets[name][0])
-        self.error: BaseException | None = None
-        self.closed = False
-        # Completed aux rows: a heap of (start, stop) runs and the prefix 0..frontier known complete.
-        self.frontier, self.runs, self.lock = 0, [], threading.Condition()
-        self.digest, self.hashed, self.hash_to = hashlib.sha256(), 0, self.base + self.offsets["aux"][0]
         for start, stop in self.kept:
             self._completed([(start, stop)])
+            for name in ("aux", "final"):
+                self._written(self.base + self.offsets[name][0] + start * self.row_bytes[name],
+                              (stop - start) * self.row_bytes[name])
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_depth)  # back-pressure: capture waits for a slow disk
         self.marks: queue.Queue = queue.Queue()
         self.threads = [threading.Thread(target=fn, name=f"{fn.__name__} {self.path.name}", daemon=True)
-                        for fn in (self._drain, self._sync, self._hash)]
+                        for fn in (self._drain, self._sync)]
         for t in self.threads:
             t.start()
 
@@ -132,9 +143,27 @@ class StreamingShard:
 
     def _pwrite(self, data, offset: int) -> None:
         view = memoryview(data).cast("B")
+        at, length = offset, len(view)
         while view:
             n = os.pwrite(self.fd, view, offset)
             view, offset = view[n:], offset + n
+        self._written(at, length)
+
+    def _written(self, offset: int, length: int) -> None:
+        """Bytes offset .. offset + length are in the file: hash each block they complete (on the hashers' pool)."""
+        with self.lock:
+            for block in range(offset // TREE_BLOCK, (offset + length - 1) // TREE_BLOCK + 1 if length else 0):
+                lo, hi = max(offset, block * TREE_BLOCK), min(offset + length, (block + 1) * TREE_BLOCK)
+                self.left[block] -= hi - lo
+                if self.left[block] < 0:
+                    raise RuntimeError(f"{self.tmp}: bytes {lo}..{hi} written twice")
+                if self.left[block] == 0:
+                    self.leaves[block] = self.hashers.submit(self._leaf, block)
+
+    def _leaf(self, block: int) -> bytes:
+        at = block * TREE_BLOCK
+        with memoryview(self.mapping) as view:
+            return hashlib.sha256(view[at: min(at + TREE_BLOCK, self.end)]).digest()
 
     def _fail(self, err: BaseException) -> None:
         with self.lock:
@@ -191,43 +220,12 @@ class StreamingShard:
                 return
 
     def _completed(self, runs) -> None:
-        aux_start = self.base + self.offsets["aux"][0]
         with self.lock:
             for run in runs:
                 heapq.heappush(self.runs, run)
             while self.runs and self.runs[0][0] <= self.frontier:
                 self.frontier = max(self.frontier, heapq.heappop(self.runs)[1])
-            self.hash_to = max(self.hash_to, aux_start + self.frontier * self.row_bytes["aux"])
             self.lock.notify_all()
-
-    def _hash(self) -> None:
-        """The hasher: sha256 of the file in order, up to hash_to as it grows (the whole file once closed). It reads
-        the file through a read-only mapping: the rows just written are in the page cache, and sha256 reads them
-        there, with no copy into a buffer of its own (a copy costs a share of what hashing costs)."""
-        try:
-            mapping = mmap.mmap(self.fd, self.end, prot=mmap.PROT_READ)
-        except BaseException as err:
-            self._fail(err)
-            return
-        view = memoryview(mapping)
-        try:
-            while True:
-                with self.lock:
-                    while self.hashed >= self.hash_to and not (self.closed and self.hashed >= self.end) \
-                            and self.error is None:
-                        self.lock.wait()
-                    if self.error is not None or self.hashed >= self.end:
-                        return
-                    target = self.hash_to
-                while self.hashed < target:
-                    n = min(_BLOCK, target - self.hashed)
-                    self.digest.update(view[self.hashed: self.hashed + n])
-                    self.hashed += n
-        except BaseException as err:
-            self._fail(err)
-        finally:
-            view.release()
-            mapping.close()
 
     # ---- the caller's side ----
 
@@ -262,30 +260,29 @@ class StreamingShard:
         self.jobs.put(("mark", None, callback))
 
     def close(self, ok: bool = True) -> str | None:
-        """Finish writing; when ok and every row was written, rename into place and return the file's sha256.
+        """Finish writing; when ok and every row was written, rename into place and return the file's
+        formats.sha256_tree.
         Otherwise remove the partial file (keep it with keep_partial) and, when ok, raise. A second close does
         nothing."""
         if self.fd is None:
             return None
         self.jobs.put(None)
-        self.threads[0].join()
-        self.threads[1].join()
+        for t in self.threads:
+            t.join()
         complete = self.error is None and self.frontier == self.tokens and not self.runs
-        failure = self.error
-        with self.lock:
-            self.closed = True
+        digest = None
+        try:  # the last rows go to disk while the hashers finish the last blocks
             if ok and complete:
-                self.hash_to = self.end
-            else:
-                self.error = self.error or RuntimeError("closed before complete")
-            self.lock.notify_all()
-        try:  # the last rows go to disk while the hasher reads the rest of the file
-            if ok and self.error is None:
                 os.fsync(self.fd)
-        except OSError as err:
+                if any(self.left):
+                    raise RuntimeError(f"{self.tmp}: {sum(self.left)} bytes never written")
+                digest = tree_of([leaf.result() for leaf in self.leaves])
+        except Exception as err:  # a failed fsync or block hash: the shard is not complete
             self._fail(err)
         finally:
-            self.threads[2].join()
+            self.hashers.shutdown(wait=True, cancel_futures=True)
+            if self.mapping is not None:
+                self.mapping.close()
             os.close(self.fd)
             self.fd = None
         if not ok or not complete or self.error is not None:
@@ -293,10 +290,10 @@ class StreamingShard:
                 self.tmp.unlink(missing_ok=True)
             if ok:
                 raise RuntimeError(f"{self.path}: {self.frontier} of {self.tokens} rows written"
-                                   + (f" ({failure})" if failure else ""))
+                                   + (f" ({self.error})" if self.error else ""))
             return None
         os.replace(self.tmp, self.path)
-        return self.digest.hexdigest()
+        return digest
 
     def __enter__(self) -> "StreamingShard":
         return self

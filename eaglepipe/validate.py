@@ -1,8 +1,7 @@
 """Validation stage: every hidden-state shard against the manifest and its trace shard, before training reads it.
 
-A shard passes when its sha256 equals the one its hidden_states job recorded as it wrote the shard (the manifest
-gathers those records), its tensors have the format's keys, dtypes and shapes, its
-tokens are exactly the trace rows' tokens (same ids, same order, same truncation), its layer ids and target
+A shard passes when its sha256_tree (formats.py) equals the one its hidden_states job recorded as it wrote the
+shard (the manifest gathers those records), its tensors have the format's keys, dtypes and shapes, its tokens are exactly the trace rows' tokens (same ids, same order, same truncation), its layer ids and target
 fingerprint are the manifest's, and its hidden states hold no NaN or Inf. validation.json lists each shard's checks.
 Shards are checked in parallel (one thread each, up to the job's threads; hashing and the block-wise NaN scan release
 the GIL), and the states are read through a memory map a block of rows at a time, so a shard of any size needs no
@@ -21,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .formats import STATE_KEYS, read_hidden_shard, read_table, sha256_file, write_json
+from .formats import STATE_KEYS, read_hidden_shard, read_table, sha256_tree, write_json
 from .hidden_states import sequences_of
 
 log = logging.getLogger(__name__)
@@ -33,13 +32,17 @@ class ShardError(ValueError):
 
 
 def check_checksum(path, entry: dict) -> None:
-    """The shard's bytes on disk against the sha256 its hidden_states job recorded when it wrote them."""
+    """The shard's bytes on disk against the sha256_tree its hidden_states job recorded when it wrote them."""
     where = f"hidden-state shard {path}"
     if not Path(path).is_file():
         raise ShardError(f"{where}: missing; run the workflow again so its hidden_states job re-runs")
-    digest = sha256_file(path)
-    if digest != entry["sha256"]:
-        raise ShardError(f"{where}: sha256 {digest[:12]}... differs from the manifest's {entry['sha256'][:12]}..., "
+    if "sha256_tree" not in entry:
+        raise ShardError(f"{where}: the manifest has no sha256_tree for it (written by an earlier eaglepipe); delete "
+                         "results/hidden_states so the hidden_states jobs re-run")
+    digest = sha256_tree(path)
+    if digest != entry["sha256_tree"]:
+        raise ShardError(f"{where}: sha256_tree {digest[:12]}... differs from the manifest's "
+                         f"{entry['sha256_tree'][:12]}..., "
                          "recorded by its hidden_states job when it wrote the shard: the file changed after "
                          f"extraction (disk or copy damage?); delete {path} so its job re-runs")
 
@@ -54,7 +57,7 @@ def parallel(function, items, threads: int) -> list:
 
 
 def verify_shards(manifest_path, shard_paths, threads: int = 1) -> None:
-    """Before training or evaluation reads them: every shard's bytes against its recorded sha256 (ShardError)."""
+    """Before training or evaluation reads them: every shard's bytes against its recorded sha256_tree (ShardError)."""
     manifest = json.loads(Path(manifest_path).read_text())
     recorded = {os.path.normpath(e["path"]): e for e in manifest["shards"]}
     for path in shard_paths:
@@ -62,7 +65,7 @@ def verify_shards(manifest_path, shard_paths, threads: int = 1) -> None:
             raise ShardError(f"hidden-state shard {path}: not listed in {manifest_path}; delete {manifest_path} "
                              "so the manifest rule gathers the shards' records again")
     parallel(lambda path: check_checksum(path, recorded[os.path.normpath(path)]), shard_paths, threads)
-    log.info("%d shards match the sha256 recorded when they were written", len(shard_paths))
+    log.info("%d shards match the sha256_tree recorded when they were written", len(shard_paths))
 
 
 def check_shard(entry: dict, manifest: dict, trace_path, max_length: int) -> None:
@@ -111,8 +114,8 @@ def run(manifest_path, trace_paths: dict[str, str], output_path, *, max_length: 
         name = Path(entry["path"]).relative_to(Path(entry["path"]).parents[1]).with_suffix("").as_posix()
         check_shard(entry, manifest, trace_paths[name], max_length)
         log.info("%s ok (%d tokens)", entry["path"], entry["tokens"])
-        return {"path": entry["path"], "sha256": entry["sha256"], "tokens": entry["tokens"], "ok": True}
+        return {"path": entry["path"], "sha256_tree": entry["sha256_tree"], "tokens": entry["tokens"], "ok": True}
 
     checked = parallel(one, manifest["shards"], threads)
-    write_json(output_path, {"shards": checked, "checks": ["sha256", "format", "tokens match traces",
+    write_json(output_path, {"shards": checked, "checks": ["sha256_tree", "format", "tokens match traces",
                                                            "layer ids and target", "finite"]})

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from conftest import generate_mixed, snakemake, tiny_config
 from eaglepipe import hidden_states, preflight, prompts, traces, vocab
 from eaglepipe.config import validate
-from eaglepipe.formats import TRACE_SCHEMA, read_hidden_shard, read_table, sha256_file, write_table
+from eaglepipe.formats import TRACE_SCHEMA, read_hidden_shard, read_table, sha256_tree, write_table
 from eaglepipe.target import read_info
 
 
@@ -203,7 +203,7 @@ def test_hidden_shard_with_wrong_dtype(tmp_path):
 def record(path):
     """The record the shard's hidden_states job would have written beside it."""
     tensors, meta = read_hidden_shard(path)
-    hidden_states.write_record(path.with_suffix(".json"), path, sha256=sha256_file(path), tensors=tensors,
+    hidden_states.write_record(path.with_suffix(".json"), path, digest=sha256_tree(path), tensors=tensors,
                                metadata=meta)
     return path.with_suffix(".json")
 

@@ -4,7 +4,6 @@ the concatenated per-chunk captures, what the stage wrote before), on the refere
 fast path's ring of host buffers runs unpinned through the same code)."""
 
 import contextlib
-import hashlib
 import logging
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 from eaglepipe.engines import open_engine
 from eaglepipe.engines.base import EngineSettings
 from eaglepipe.engines.transformers import _Ring
+from eaglepipe.formats import sha256_tree
 from eaglepipe.hidden_states import extract, runs_of, shard_tensors, write_shard
 from eaglepipe.units import Units
 
@@ -41,7 +41,7 @@ def reference_sha(eng, seqs, masks, metadata, chunk_size, path):
         caps += eng.capture(seqs[a: a + chunk_size], LAYERS)
     tensors = {**shard_tensors(seqs, masks), "aux": torch.cat([c.aux for c in caps]),
                "final": torch.cat([c.final for c in caps])}
-    return write_shard(path, path.with_suffix(".json"), tensors, metadata)["sha256"]
+    return write_shard(path, path.with_suffix(".json"), tensors, metadata)["sha256_tree"]
 
 
 class CrashingEngine:
@@ -70,7 +70,7 @@ def test_streamed_shard_is_byte_identical_to_whole_tensor_path(tmp_path, tiny_ta
         out = tmp_path / "out.safetensors"
         digest = extract(eng, out, seqs, shard_tensors(seqs, masks), metadata, LAYERS, hidden=128, chunk_size=4,
                          units=Units(tmp_path / "progress", "k", "test"))
-    assert digest == expected == hashlib.sha256(out.read_bytes()).hexdigest()
+    assert digest == expected == sha256_tree(out)
     assert out.read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
     assert not list(tmp_path.glob(".*partial"))
 
@@ -82,7 +82,7 @@ def test_empty_shard_equals_save_file(tmp_path, tiny_target):
                          hidden=128, chunk_size=4)
     tensors = {**shard_tensors(seqs, masks), "aux": torch.zeros(0, 3, 128, dtype=torch.bfloat16),
                "final": torch.zeros(0, 128, dtype=torch.bfloat16)}
-    assert digest == write_shard(tmp_path / "r.safetensors", tmp_path / "r.json", tensors, metadata)["sha256"]
+    assert digest == write_shard(tmp_path / "r.safetensors", tmp_path / "r.json", tensors, metadata)["sha256_tree"]
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -108,7 +108,7 @@ def test_a_crashed_extraction_resumes_from_its_partial_file(tmp_path, tiny_targe
         digest = extract(resumed, out, seqs, small, metadata, LAYERS, hidden=128, chunk_size=4, units=units)
         assert units.reused == len(stored)
         assert resumed.asked == [14 - done_seqs], "chunks already in the partial file were captured again"
-        assert digest == expected == hashlib.sha256(out.read_bytes()).hexdigest()
+        assert digest == expected == sha256_tree(out)
         assert not partial.exists()
 
         # Chunks recorded but the partial file gone: the records are discarded and everything is captured.

@@ -1,12 +1,32 @@
-"""The streaming shard writer (eaglepipe/shard_writer.py) writes the bytes safetensors' own save_file writes."""
+"""The streaming shard writer (eaglepipe/shard_writer.py) writes the bytes safetensors' own save_file writes, and
+hashes them as formats.sha256_tree defines. Each test runs with the real 16 MiB hash blocks (one block: these shards
+are small) and with 64-byte blocks, which cut through every tensor and are completed out of order."""
 
 import hashlib
+import shutil
+import subprocess
 
 import pytest
 import torch
 
-from eaglepipe.formats import read_hidden_shard, write_hidden_shard
+import eaglepipe.formats as formats
+import eaglepipe.shard_writer as sw
+from eaglepipe.formats import read_hidden_shard, sha256_tree, write_hidden_shard
 from eaglepipe.shard_writer import StreamingShard
+
+
+@pytest.fixture(autouse=True, params=[formats.TREE_BLOCK, 64], ids=["16MiB-blocks", "64B-blocks"])
+def block(request, monkeypatch):
+    monkeypatch.setattr(formats, "TREE_BLOCK", request.param)
+    monkeypatch.setattr(sw, "TREE_BLOCK", request.param)
+    return request.param
+
+
+def tree(data: bytes) -> str:
+    """The definition, written out: sha256 over the blocks' sha256 digests."""
+    size = formats.TREE_BLOCK
+    return hashlib.sha256(b"".join(hashlib.sha256(data[at: at + size]).digest()
+                                   for at in range(0, len(data), size))).hexdigest()
 
 
 def shard_tensors(lengths, n_aux=3, hidden=8, seed=0):
@@ -34,8 +54,7 @@ def test_streamed_shard_equals_save_file_bytes(tmp_path):
         shard.write(start, tensors["aux"][start:stop], tensors["final"][start:stop])
     digest = shard.close()
     assert out.read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
-    import hashlib
-    assert digest == hashlib.sha256(out.read_bytes()).hexdigest()
+    assert digest == tree(out.read_bytes()) == sha256_tree(out)
     loaded, meta = read_hidden_shard(out)
     assert meta == META and torch.equal(loaded["aux"], tensors["aux"])
     assert not list(tmp_path.glob(".*partial"))
@@ -85,7 +104,7 @@ def test_scattered_runs_release_their_buffers_and_marks_follow_the_writes(tmp_pa
     digest = shard.close()
     assert released == [1, 2] and marked and marked[0] >= 0
     assert out.read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
-    assert digest == hashlib.sha256(out.read_bytes()).hexdigest()
+    assert digest == tree(out.read_bytes())
 
 
 def test_a_kept_partial_is_reopened_without_truncation_and_another_is_not(tmp_path):
@@ -102,7 +121,7 @@ def test_a_kept_partial_is_reopened_without_truncation_and_another_is_not(tmp_pa
     shard.write(6, tensors["aux"][6:], tensors["final"][6:])  # only the missing rows
     digest = shard.close()
     assert out.read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
-    assert digest == hashlib.sha256(out.read_bytes()).hexdigest()
+    assert digest == tree(out.read_bytes())
     # A partial of another shard (other token ids) is not taken: started over, so rows 0..5 must be written again.
     other = shard_tensors([6, 10], seed=1)
     with StreamingShard(out, **kwargs_of(other, keep_partial=True)) as shard:
@@ -138,4 +157,30 @@ def test_writes_are_synced_every_flush_bytes_not_only_at_close(tmp_path, monkeyp
             assert 1 <= len(calls) <= syncs  # the syncer merges flushes queued while it syncs
         else:
             assert calls == []
-        assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
+        assert digest == tree(path.read_bytes())
+
+
+def test_rows_written_twice_fail_the_shard(tmp_path):
+    """Every byte is counted into its hash block once: a second write of the same rows would let a block be hashed
+    before (or after) its final bytes, so the writer refuses it and leaves no shard."""
+    tensors = shard_tensors([4, 4])
+    out = tmp_path / "s.safetensors"
+    shard = StreamingShard(out, **kwargs_of(tensors))
+    shard.write(0, tensors["aux"][:4], tensors["final"][:4])
+    shard.write(0, tensors["aux"][:4], tensors["final"][:4])
+    shard.write(4, tensors["aux"][4:], tensors["final"][4:])
+    with pytest.raises(RuntimeError, match="written twice"):
+        shard.close()
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(not (shutil.which("split") and shutil.which("xxd")), reason="needs coreutils split and xxd")
+def test_sha256_tree_is_what_the_documented_shell_line_computes(tmp_path, block):
+    if block != formats.TREE_BLOCK:
+        pytest.skip("the shell line uses the real block size")
+    path = tmp_path / "f.bin"
+    path.write_bytes(torch.randint(0, 256, (2 * block + 12345,), generator=torch.Generator().manual_seed(0),
+                                   dtype=torch.uint8).numpy().tobytes())
+    shell = subprocess.run(f"split -b {block} --filter='sha256sum | head -c 64 | xxd -r -p' {path} | sha256sum",
+                           shell=True, check=True, capture_output=True, text=True).stdout.split()[0]
+    assert sha256_tree(path) == sha256_tree(path, threads=1) == shell == tree(path.read_bytes())

@@ -1,5 +1,6 @@
 """Validation names a damaged hidden-state shard: flipped bytes, truncation, planted NaN, foreign tokens; a shard
-damaged after a finished run fails the run against the sha256 its extraction job recorded, and no draft is trained."""
+damaged after a finished run fails the run against the sha256_tree its extraction job recorded, and no draft is
+trained."""
 
 import json
 import shutil
@@ -11,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import snakemake, tiny_config
 from eaglepipe import validate
-from eaglepipe.formats import sha256_file
+from eaglepipe.formats import sha256_tree
 
 SHARD = "results/hidden_states/train/shard-0.safetensors"
 DRAFT = "results/draft/model.safetensors"
@@ -43,7 +44,7 @@ def check(workdir, tmp_path, damage, rehash=False, threads=1):
     for entry in manifest["shards"]:
         entry["path"] = str(copy / entry["path"])
         if rehash and entry["path"].endswith(SHARD):
-            entry["sha256"] = sha256_file(entry["path"])
+            entry["sha256_tree"] = sha256_tree(entry["path"])
     (copy / "manifest.json").write_text(json.dumps(manifest))
     traces = {f"{p.parent.name}/{p.stem}": str(p) for p in (copy / "results/traces").rglob("*.parquet")}
     validate.run(copy / "manifest.json", traces, copy / "validation.json", max_length=128, threads=threads)
@@ -69,11 +70,11 @@ def test_intact_shards_pass(built, tmp_path):
 def test_parallel_validation_reports_what_the_serial_one_does(built, tmp_path):
     check(built, tmp_path / "serial", lambda shard: None)
     check(built, tmp_path / "parallel", lambda shard: None, threads=4)
-    serial, parallel = ([(str(Path(s["path"]).relative_to(tmp_path / name / "run")), s["sha256"], s["tokens"])
+    serial, parallel = ([(str(Path(s["path"]).relative_to(tmp_path / name / "run")), s["sha256_tree"], s["tokens"])
                          for s in json.loads((tmp_path / f"{name}/run/validation.json").read_text())["shards"]]
                         for name in ("serial", "parallel"))
     assert len(serial) == 4 and serial == parallel
-    with pytest.raises(validate.ShardError, match=r"train/shard-0.safetensors: sha256 .* differs"):
+    with pytest.raises(validate.ShardError, match=r"train/shard-0.safetensors: sha256_tree .* differs"):
         check(built, tmp_path / "damaged", flip_middle, threads=4)
 
 
@@ -101,7 +102,8 @@ def test_flipped_bytes_fail_the_checksum(built, tmp_path):
         data[-100] ^= 0xFF
         shard.write_bytes(bytes(data))
 
-    with pytest.raises(validate.ShardError, match=r"train/shard-0.safetensors: sha256 .* differs from the manifest"):
+    with pytest.raises(validate.ShardError, match=r"train/shard-0.safetensors: sha256_tree .* differs from the "
+                       "manifest"):
         check(built, tmp_path, flip)
     assert not (tmp_path / "run/validation.json").exists()
 
@@ -132,7 +134,7 @@ def test_shard_damaged_after_a_finished_run_fails_it_and_trains_no_draft(built, 
     run = tmp_path / "run"
     shutil.copytree(built, run)  # with Snakemake's metadata: a finished run, as a user would have it
     record = json.loads((run / SHARD).with_suffix(".json").read_text())
-    assert record["sha256"] == sha256_file(run / SHARD)
+    assert record["sha256_tree"] == sha256_tree(run / SHARD)
     draft = (run / DRAFT).read_bytes()
     draft_mtime = (run / DRAFT).stat().st_mtime_ns
     config = tiny_config(tiny_target)
@@ -143,16 +145,16 @@ def test_shard_damaged_after_a_finished_run_fails_it_and_trains_no_draft(built, 
     result = snakemake(run, config, DRAFT, check=False)
     assert result.returncode != 0, f"the run went on with a damaged shard:\n{result.stderr[-3000:]}"
     log = (run / "logs/validate_shards.log").read_text().removeprefix(old_log)
-    assert f"{SHARD}: sha256" in log and f"delete {SHARD} so its job re-runs" in log
+    assert f"{SHARD}: sha256_tree" in log and f"delete {SHARD} so its job re-runs" in log
     assert f"{SHARD} ok" not in log
     # The manifest still holds what extraction wrote; the draft was neither retrained nor removed.
     manifest = json.loads((run / "results/hidden_states/manifest.json").read_text())
-    assert [s["sha256"] for s in manifest["shards"] if s["path"] == SHARD] == [record["sha256"]]
+    assert [s["sha256_tree"] for s in manifest["shards"] if s["path"] == SHARD] == [record["sha256_tree"]]
     assert (run / DRAFT).read_bytes() == draft and (run / DRAFT).stat().st_mtime_ns == draft_mtime
     assert not (run / "results/hidden_states/validation.json").exists()
     # Training checks the bytes itself (a validation.json from before the damage does not let it through).
     monkeypatch.chdir(run)  # the workflow's paths are relative to its directory
-    with pytest.raises(validate.ShardError, match=rf"{SHARD}: sha256 .* recorded by its hidden_states job"):
+    with pytest.raises(validate.ShardError, match=rf"{SHARD}: sha256_tree .* recorded by its hidden_states job"):
         validate.verify_shards("results/hidden_states/manifest.json", [SHARD])
 
 

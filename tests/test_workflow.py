@@ -7,7 +7,7 @@ import pytest
 from conftest import REPO, planned_rules, snakemake, tiny_config
 from eaglepipe import bundle
 from eaglepipe.evaluate import subset
-from eaglepipe.formats import read_hidden_shard, read_table, sha256_file
+from eaglepipe.formats import read_hidden_shard, read_table, sha256_file, sha256_tree
 
 DETERMINISTIC = [
     "results/traces/train/shard-0.parquet", "results/traces/eval/shard-1.parquet",
@@ -106,7 +106,7 @@ def test_every_artifact_is_produced_and_consistent(first_run):
     assert manifest["layer_convention"] == "input_of_layer"
     for shard in manifest["shards"]:
         path = workdir / shard["path"]
-        assert sha256_file(path) == shard["sha256"]
+        assert sha256_tree(path) == shard["sha256_tree"]
         tensors, meta = read_hidden_shard(path)
         assert tensors["aux"].shape[1:] == (3, 128) and tensors["final"].shape[1] == 128
         assert int(tensors["loss_mask"].sum()) == shard["loss_tokens"] > 0

@@ -39,7 +39,7 @@ import torch
 from ..engines.base import EngineSettings
 from ..formats import write_hidden_shard
 from ..hidden_states import extract, shard_tensors
-from ..shard_writer import StreamingShard
+from ..shard_writer import HASH_THREADS, StreamingShard
 from ..units import Units
 from .limits import commit, describe, disk_write_gb_s, matmul_peak_tflops, sha256_gb_s, sync
 
@@ -248,7 +248,8 @@ def main(argv=None) -> dict:
                           args.max_batch_tokens)
     sha = sha256_gb_s()
     print(f"shard writer alone: {writer:,.0f} tok/s ({100 * writer / disk_limit:.0f} % of the disk limit); one sha256 "
-          f"stream {sha:.2f} GB/s -> {sha * 1e9 / bytes_per_token:,.0f} tok/s")
+          f"stream {sha:.2f} GB/s -> {sha * 1e9 / bytes_per_token:,.0f} tok/s (the writer hashes blocks on "
+          f"{HASH_THREADS} threads)")
     fast = engine_on(model, args.device, args.dtype, True, args.max_batch_tokens)
     check = packed_check(fast, seqs[:8], layer_ids)  # fail fast: a kernel that mixes sequences shows here
     layers = ", ".join(f"{k}: {e:.1e}" for k, e in check["aux_layer_relative_errors"].items())

@@ -59,7 +59,7 @@ bench)
     ;;
 bench-8b)   # needs setup-a only (its wheels; no GGUF): the 8B shape has random weights
     python3 -m eaglepipe.tools.bench_extraction --preset llama-8b --device cuda --tokens 1000000 --baseline-tokens 250000 \
-        --shard-tokens 250000 --out /root/bench-out --max-batch-tokens 65536 --json $OUT/gpu-extraction-llama8b.json \
+        --shard-tokens 250000 --out /root/bench-out --max-batch-tokens 16384 --json $OUT/gpu-extraction-llama8b.json \
         2>&1 | grep -v "Loading weights"
     ;;
 bench-train)
