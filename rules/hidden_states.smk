@@ -11,7 +11,7 @@ rule hidden_states:
         target=target_dir(),
     output:
         shard="results/hidden_states/{split}/shard-{i}.safetensors",
-        # The shard's sha256 and counts, written by the same job from the bytes it wrote (the manifest gathers these).
+        # The shard's sha256_tree and counts, written by the same job from the bytes it wrote (the manifest gathers these).
         record="results/hidden_states/{split}/shard-{i}.json",
     params:
         engine=config["engine"],

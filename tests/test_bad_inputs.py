@@ -230,6 +230,21 @@ def test_shard_record_of_another_shard(tmp_path, tiny_target):
     assert not out.exists()
 
 
+def test_shard_record_from_before_sha256_tree(tmp_path, tiny_target):
+    """A results folder from an eaglepipe that recorded a plain sha256: the manifest names the record to delete."""
+    path = shard(tmp_path)
+    rec = record(path)
+    old = json.loads(rec.read_text())
+    old["sha256"] = old.pop("sha256_tree")
+    rec.write_text(json.dumps(old))
+    out = tmp_path / "manifest.json"
+    with pytest.raises(ValueError, match=r"shard-0.json: no sha256_tree .*; delete .*shard-0.safetensors and "
+                                         r".*shard-0.json so its hidden_states job re-runs"):
+        hidden_states.manifest({"train": [str(path)]}, {"train": [str(rec)]}, out, target_dir=tiny_target,
+                               engine="transformers")
+    assert not out.exists()
+
+
 # --- failed requests in generation ------------------------------------------------------------------------------
 
 def generate(tmp_path, target, max_error_share):
