@@ -66,6 +66,47 @@ def test_fused_norm_equals_the_model_norm(kind):
         assert ((got - ref).abs() <= 2 * 2 ** -8 * ref.abs() + 1e-6).all()
 
 
+@pytest.mark.parametrize("kind", ["llama-biases", "qwen3"])
+def test_fused_projections_change_no_value_and_add_no_memory(kind):
+    """The capture's fused q/k/v and gate/up products: the modules' weights become views of the fused tensors (the
+    model's own forward gives the very same output, the parameters take the bytes they took), and the capture equals
+    the unfused one."""
+    if kind == "qwen3":
+        model = model_of(kind)
+    else:  # Llama with projection biases: the fused bias path
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**SMALL, attention_bias=True, mlp_bias=True),
+                                                 dtype=torch.float32).eval()
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                    m.bias.uniform_(-0.5, 0.5)
+
+    def storage_bytes():
+        return sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}.values())
+
+    ids = torch.tensor([t for p in PROMPTS for t in p])
+    lengths = [len(p) for p in PROMPTS]
+    decoder = Decoder(model)
+    with torch.no_grad():
+        before_bytes, before = storage_bytes(), model(ids[None]).logits
+        decoder.fuse = False
+        plain = decoder.hidden_states(ids, lengths, [1, 3])
+        decoder.fuse = True
+        fused = decoder.hidden_states(ids, lengths, [1, 3])
+        after = model(ids[None]).logits
+    qkv, gate_up = decoder.fusions()[1]
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    assert qkv is not None and gate_up is not None
+    assert attn.k_proj.weight.data_ptr() == qkv.weight.data_ptr() + attn.q_proj.weight.numel() * 4
+    assert mlp.up_proj.weight.untyped_storage().data_ptr() == gate_up.weight.untyped_storage().data_ptr()
+    assert (qkv.bias is not None) == (kind == "llama-biases")
+    assert storage_bytes() == before_bytes
+    assert torch.equal(after, before)
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
 def test_packed_capture_refuses_lengths_that_do_not_add_up():
     with pytest.raises(ValueError, match="lengths add up to 5, but 6 token ids"):
         Decoder(model_of("llama")).hidden_states(torch.arange(6), [2, 3], [0])

@@ -10,7 +10,8 @@ Qwen2, Qwen3), this module runs the same modules (projections, norms, MLP, the m
   seeded generator;
 - capture: packed batches (sequences one after another, no padding; variable-length flash attention keeps each
   token within its own sequence), only the requested layers' inputs and the final normed state kept, copied to pinned
-  host memory without blocking while the next batch runs.
+  host memory without blocking while the next batch runs; the q/k/v and the gate/up projections as one product each
+  (their weights stored as row blocks of one tensor, the modules' own weights views into it: no memory added).
 
 Token ids come out exactly as the model computes them; in float32 they equal `model.generate`'s (tests compare them),
 in bf16 a different batch composition can round differently and flip a near-tied argmax (README: the measured share).
@@ -21,6 +22,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +58,40 @@ def _rms_norm(module, x: torch.Tensor) -> torch.Tensor:
     about a tenth of an 8B forward at 64K-token batches; not yet measured). The capture uses it; in bf16 it rounds once where the module rounds twice
     (the weight is applied before the cast back), in float32 they agree."""
     return F.rms_norm(x, module.weight.shape, module.weight, module.variance_epsilon)
+
+
+class Fused(NamedTuple):
+    """Linears that read the same input as one: weight [sum(sizes), in] (and bias), output split into sizes."""
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    sizes: list[int]
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight, self.bias).split(self.sizes, -1)
+
+
+def fuse(modules) -> Fused | None:
+    """These nn.Linear modules' weights (and biases) copied into row blocks of one tensor, each module's own
+    parameter then made a view of its block: the same values (the module computes what it did), one product for all,
+    no memory added once the old storage is freed. None where they are not plain linears alike (quantized, offloaded,
+    mixed dtypes or bias)."""
+    first = modules[0]
+    alike = all(type(m) is torch.nn.Linear and m.weight.device == first.weight.device
+                and m.weight.dtype == first.weight.dtype and m.in_features == first.in_features
+                and (m.bias is None) == (first.bias is None) for m in modules)
+    if not alike or first.weight.device.type == "meta":
+        return None
+    with torch.inference_mode(False), torch.no_grad():  # plain tensors: the model stays usable outside capture
+        weight = torch.cat([m.weight for m in modules])
+        bias = torch.cat([m.bias for m in modules]) if first.bias is not None else None
+        at = 0
+        for m in modules:
+            n = m.out_features
+            m.weight.data = weight[at: at + n]
+            if bias is not None:
+                m.bias.data = bias[at: at + n]
+            at += n
+    return Fused(weight, bias, [m.out_features for m in modules])
 
 
 @functools.lru_cache(maxsize=1)
@@ -121,6 +157,8 @@ class Decoder:
         self._table = None
         self.graphs = self.device.type == "cuda"  # CUDA graphs for the decode step (launch overhead dominates it)
         self.varlen = True  # packed capture through the varlen flash kernel where it runs (False: per-sequence SDPA)
+        self.fuse = True  # capture with fused q/k/v and gate/up products (False: the modules', as generation runs)
+        self._fused = None  # per layer: (q/k/v Fused or None, gate/up Fused or None), made at the first capture
 
     def uses_varlen(self) -> bool:
         """Whether packed capture runs torch's varlen flash kernel: a CUDA device it runs on (compute capability 8.0
@@ -143,11 +181,12 @@ class Decoder:
             self._table = (cos[0], sin[0])
         return self._table[0][positions], self._table[1][positions]
 
-    def _qkv(self, attn, h, cos, sin):
+    def _qkv(self, attn, h, cos, sin, fused: Fused | None = None):
         b, t, _ = h.shape
-        q = attn.q_proj(h).view(b, t, -1, self.head_dim)
-        k = attn.k_proj(h).view(b, t, -1, self.head_dim)
-        v = attn.v_proj(h).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q, k, v = fused(h) if fused is not None else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))
+        q = q.view(b, t, -1, self.head_dim)
+        k = k.view(b, t, -1, self.head_dim)
+        v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
         if hasattr(attn, "q_norm"):  # Qwen3: a norm over each head's vector before the rotation
             q, k = attn.q_norm(q), attn.k_norm(k)
         return _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin), v
@@ -169,11 +208,25 @@ class Decoder:
         groups = self.heads // self.kv_heads
         return mask.repeat(1, 1, groups, 1) if groups > 1 else mask
 
-    def _layer(self, layer, h, attend, norm=None):
+    def _layer(self, layer, h, attend, norm=None, gate_up: Fused | None = None):
         norm = norm or (lambda module, x: module(x))
         x = norm(layer.input_layernorm, h)
         h = h + layer.self_attn.o_proj(attend(layer.self_attn, x))
-        return h + layer.mlp(norm(layer.post_attention_layernorm, h))
+        x = norm(layer.post_attention_layernorm, h)
+        if gate_up is None:
+            return h + layer.mlp(x)
+        gate, up = gate_up(x)
+        return h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+
+    def fusions(self) -> list[tuple[Fused | None, Fused | None]]:
+        """Per layer, its q/k/v and gate/up projections fused (fuse()), made once."""
+        if self._fused is None:
+            self._fused = []
+            for layer in self.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                gate_up = fuse([mlp.gate_proj, mlp.up_proj]) if hasattr(mlp, "gate_proj") else None
+                self._fused.append((fuse([attn.q_proj, attn.k_proj, attn.v_proj]), gate_up))
+        return self._fused
 
     # ---- capture ----
 
@@ -195,15 +248,17 @@ class Decoder:
         wanted = {k: i for i, k in enumerate(layer_ids)}
         aux = [None] * len(layer_ids)
 
-        def attend(attn, x):  # _qkv on the packed batch as one row [1, heads, N, d], seen as [N, heads, d]
-            q, k, v = (t[0].transpose(0, 1) for t in self._qkv(attn, x[None], cos, sin))
+        def attend(attn, x, qkv=None):  # _qkv on the packed batch as one row [1, heads, N, d], seen as [N, heads, d]
+            q, k, v = (t[0].transpose(0, 1) for t in self._qkv(attn, x[None], cos, sin, qkv))
             return attention(q, k, v).reshape(n_tok, -1)
 
+        fusions = self.fusions() if self.fuse else [(None, None)] * len(self.layers)
         h = self.embed(ids)
         for n, layer in enumerate(self.layers):
             if n in wanted:
                 aux[wanted[n]] = h
-            h = self._layer(layer, h, attend, _rms_norm)
+            qkv, gate_up = fusions[n]
+            h = self._layer(layer, h, functools.partial(attend, qkv=qkv), _rms_norm, gate_up)
         if len(self.layers) in wanted:  # "input of layer N": the last layer's output before the final norm
             aux[wanted[len(self.layers)]] = h
         return torch.stack(aux, -2), _rms_norm(self.norm, h)
