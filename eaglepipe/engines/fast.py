@@ -55,8 +55,8 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 def _rms_norm(module, x: torch.Tensor) -> torch.Tensor:
     """The model's RMSNorm (weight * x / sqrt(mean(x^2) + eps): every SUPPORTED layout's form) as torch's rms_norm,
     one fused kernel on CUDA where the module's own forward makes six passes over x in float32 (by the bytes moved,
-    about a tenth of an 8B forward at 64K-token batches; not yet measured). The capture uses it; in bf16 it rounds once where the module rounds twice
-    (the weight is applied before the cast back), in float32 they agree."""
+    about a tenth of an 8B forward at 64K-token batches; not yet measured). The capture uses it; in bf16 it rounds
+    once where the module rounds twice (the weight is applied before the cast back), in float32 they agree."""
     return F.rms_norm(x, module.weight.shape, module.weight, module.variance_epsilon)
 
 
