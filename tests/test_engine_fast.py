@@ -107,6 +107,35 @@ def test_fused_projections_change_no_value_and_add_no_memory(kind):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_compiled_capture_steps_trace_whole_once_and_equal_eager(kind):
+    """The capture's elementwise steps as CUDA runs them, through torch.compile (here a backend that records each
+    graph and runs it as traced, since CI has no GPU): each traces whole (fullgraph), a batch of another size compiles
+    nothing new (symbolic shapes: no recompiles as batches vary), and the states equal the eager path's."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    model = model_of(kind)
+    eager, compiled = Decoder(model), Decoder(model)
+    eager.compile, compiled.compile = None, backend
+    with torch.no_grad():
+        for prompts in (PROMPTS, PROMPTS[:2] + [[4, 5, 6]]):
+            ids = torch.tensor([t for p in prompts for t in p])
+            lengths = [len(p) for p in prompts]
+            got, ref = compiled.hidden_states(ids, lengths, [1, 3]), eager.hidden_states(ids, lengths, [1, 3])
+            for a, b in zip(got, ref):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+            if prompts is PROMPTS:
+                first = len(graphs)
+    ops = " ".join(str(node.target) for graph in graphs for node in graph.graph.nodes)
+    assert first >= 3 and len(graphs) == first, f"{first} graphs for the first batch, {len(graphs)} after the second"
+    assert "rms_norm" in ops and "silu" in ops
+
+
 def test_packed_capture_refuses_lengths_that_do_not_add_up():
     with pytest.raises(ValueError, match="lengths add up to 5, but 6 token ids"):
         Decoder(model_of("llama")).hidden_states(torch.arange(6), [2, 3], [0])

@@ -11,7 +11,9 @@ Qwen2, Qwen3), this module runs the same modules (projections, norms, MLP, the m
 - capture: packed batches (sequences one after another, no padding; variable-length flash attention keeps each
   token within its own sequence), only the requested layers' inputs and the final normed state kept, copied to pinned
   host memory without blocking while the next batch runs; the q/k/v and the gate/up projections as one product each
-  (their weights stored as row blocks of one tensor, the modules' own weights views into it: no memory added).
+  (their weights stored as row blocks of one tensor, the modules' own weights views into it: no memory added); the
+  elementwise work between the products (residual add + norm, q/k norm + rotation, SiLU x up) as one pass each,
+  compiled on CUDA (torch.compile; eager elsewhere, the same functions).
 
 Token ids come out exactly as the model computes them; in float32 they equal `model.generate`'s (tests compare them),
 in bf16 a different batch composition can round differently and flip a near-tied argmax (README: the measured share).
@@ -58,6 +60,54 @@ def _rms_norm(module, x: torch.Tensor) -> torch.Tensor:
     about a tenth of an 8B forward at 64K-token batches; not yet measured). The capture uses it; in bf16 it rounds
     once where the module rounds twice (the weight is applied before the cast back), in float32 they agree."""
     return F.rms_norm(x, module.weight.shape, module.weight, module.variance_epsilon)
+
+
+def _add_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(h + delta, rms_norm(h + delta) * weight): the residual add and the next norm, one pass over h once compiled."""
+    h = h + delta
+    return h, F.rms_norm(h, weight.shape, weight, eps)
+
+
+def _norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None, eps: float):
+    """x [N, heads, d] (a view of a projection's output, any row stride); cos/sin [N, d] -> x rotated, contiguous.
+    weight: Qwen3's per-head norm (q_norm/k_norm) applied first, or None."""
+    if weight is not None:
+        x = F.rms_norm(x, weight.shape, weight, eps)
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up: the MLP's activation, one pass over both once compiled."""
+    return F.silu(gate) * up
+
+
+class Kernels(NamedTuple):
+    """The capture's elementwise steps: eager (CPU, and the reference) or compiled by one torch.compile backend."""
+    add_norm: object
+    norm_rope: object
+    swiglu: object
+
+
+@functools.lru_cache(maxsize=None)
+def kernels(backend: str | None) -> Kernels:
+    """The elementwise steps compiled by backend ("inductor" on CUDA: each a single generated kernel, so no
+    intermediate round trip through memory; the shapes symbolic, so a new batch size compiles nothing), or eager
+    (None). fullgraph: a step that cannot be traced whole fails at its first call instead of running half eager."""
+    steps = (_add_norm, _norm_rope, _swiglu)
+    if backend is None:
+        return Kernels(*steps)
+    return Kernels(*(torch.compile(f, backend=backend, dynamic=True, fullgraph=True) for f in steps))
+
+
+def _can_compile(device: torch.device) -> bool:
+    """torch.compile's inductor backend generates code for this device: CUDA with triton importable."""
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class Fused(NamedTuple):
@@ -139,6 +189,12 @@ def _varlen_attention(decoder, cu: torch.Tensor, longest: int, lengths: list[int
     return attention
 
 
+def _head_norm(attn, name: str) -> tuple[torch.Tensor | None, float]:
+    """(weight, eps) of attn's per-head norm `name` (Qwen3's q_norm/k_norm), or (None, 0.0) where there is none."""
+    module = getattr(attn, name, None)
+    return (None, 0.0) if module is None else (module.weight, module.variance_epsilon)
+
+
 class Decoder:
     """The layers of one loaded model, run directly."""
 
@@ -159,6 +215,9 @@ class Decoder:
         self.varlen = True  # packed capture through the varlen flash kernel where it runs (False: per-sequence SDPA)
         self.fuse = True  # capture with fused q/k/v and gate/up products (False: the modules', as generation runs)
         self._fused = None  # per layer: (q/k/v Fused or None, gate/up Fused or None), made at the first capture
+        # the backend that compiles the capture's elementwise steps (kernels()), None: eager
+        self.compile = "inductor" if _can_compile(self.device) else None
+        self.silu = getattr(config, "hidden_act", None) in ("silu", "swish")  # the MLP's act is F.silu: _swiglu runs
 
     def uses_varlen(self) -> bool:
         """Whether packed capture runs torch's varlen flash kernel: a CUDA device it runs on (compute capability 8.0
@@ -208,15 +267,11 @@ class Decoder:
         groups = self.heads // self.kv_heads
         return mask.repeat(1, 1, groups, 1) if groups > 1 else mask
 
-    def _layer(self, layer, h, attend, norm=None, gate_up: Fused | None = None):
-        norm = norm or (lambda module, x: module(x))
-        x = norm(layer.input_layernorm, h)
-        h = h + layer.self_attn.o_proj(attend(layer.self_attn, x))
-        x = norm(layer.post_attention_layernorm, h)
-        if gate_up is None:
-            return h + layer.mlp(x)
-        gate, up = gate_up(x)
-        return h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+    @staticmethod
+    def _layer(layer, h, attend):
+        """One decoder layer through its own modules (generation), attention by attend(attn, x)."""
+        h = h + layer.self_attn.o_proj(attend(layer.self_attn, layer.input_layernorm(h)))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def fusions(self) -> list[tuple[Fused | None, Fused | None]]:
         """Per layer, its q/k/v and gate/up projections fused (fuse()), made once."""
@@ -247,21 +302,31 @@ class Decoder:
         attention = _varlen_attention(self, cu.to(ids.device, non_blocking=True), max(lengths), lengths)
         wanted = {k: i for i, k in enumerate(layer_ids)}
         aux = [None] * len(layer_ids)
-
-        def attend(attn, x, qkv=None):  # _qkv on the packed batch as one row [1, heads, N, d], seen as [N, heads, d]
-            q, k, v = (t[0].transpose(0, 1) for t in self._qkv(attn, x[None], cos, sin, qkv))
-            return attention(q, k, v).reshape(n_tok, -1)
-
+        cos, sin = cos[0], sin[0]
+        steps = kernels(self.compile)
         fusions = self.fusions() if self.fuse else [(None, None)] * len(self.layers)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         h = self.embed(ids)
-        for n, layer in enumerate(self.layers):
+        x = _rms_norm(self.layers[0].input_layernorm, h)
+        for n, (layer, (qkv, gate_up), norm) in enumerate(zip(self.layers, fusions, norms)):
             if n in wanted:
                 aux[wanted[n]] = h
-            qkv, gate_up = fusions[n]
-            h = self._layer(layer, h, functools.partial(attend, qkv=qkv), _rms_norm, gate_up)
+            attn, mlp = layer.self_attn, layer.mlp
+            q, k, v = qkv(x) if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+            q = steps.norm_rope(q.view(n_tok, -1, self.head_dim), cos, sin, *_head_norm(attn, "q_norm"))
+            k = steps.norm_rope(k.view(n_tok, -1, self.head_dim), cos, sin, *_head_norm(attn, "k_norm"))
+            out = attention(q, k, v.view(n_tok, -1, self.head_dim)).reshape(n_tok, -1)
+            post = layer.post_attention_layernorm
+            h, x = steps.add_norm(h, attn.o_proj(out), post.weight, post.variance_epsilon)
+            if hasattr(mlp, "gate_proj"):
+                gate, up = gate_up(x) if gate_up is not None else (mlp.gate_proj(x), mlp.up_proj(x))
+                y = mlp.down_proj(steps.swiglu(gate, up) if self.silu else mlp.act_fn(gate) * up)
+            else:
+                y = mlp(x)
+            h, x = steps.add_norm(h, y, norm.weight, norm.variance_epsilon)
         if len(self.layers) in wanted:  # "input of layer N": the last layer's output before the final norm
             aux[wanted[len(self.layers)]] = h
-        return torch.stack(aux, -2), _rms_norm(self.norm, h)
+        return torch.stack(aux, -2), x
 
     # ---- generation ----
 
