@@ -6,6 +6,7 @@ give the same hidden states (to float32 rounding) and the same greedy token ids 
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from eaglepipe.engines.fast import Decoder, supports
@@ -220,3 +221,34 @@ def test_fast_path_true_refuses_a_layout_it_does_not_run(tmp_path, smollm2):
     target = tiny_targets.deepseek_v3(tmp_path / "dsv3", smollm2, layers=2)
     with pytest.raises(ValueError, match="engine.fast_path: true.*deepseek_v3"):
         open_engine(target, EngineSettings(fast_path=True))
+
+
+def test_grouped_kv_probe_keeps_repeating_unless_the_kernel_gives_the_same_bits():
+    """The varlen kernel gets k/v with fewer heads only where it takes them and gives the repeated call's result
+    exactly (probed on CUDA; here CPU kernels of the same signature: per-sequence SDPA done right, one that refuses
+    grouped k/v, one that reads grouped heads wrongly)."""
+    from eaglepipe.engines.fast import takes_grouped_kv
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal, wrong=False):
+        out = torch.empty_like(q)
+        for a, b in zip(cu_q.tolist(), cu_q.tolist()[1:]):
+            kk, vv = k[a:b], v[a:b]
+            if wrong and kk.shape[1] < q.shape[1]:  # the kv heads tiled, not repeated per group
+                kk, vv = kk.repeat(1, q.shape[1] // kk.shape[1], 1), vv.repeat(1, q.shape[1] // vv.shape[1], 1)
+            out[a:b] = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), kk.transpose(0, 1),
+                                                      vv.transpose(0, 1), is_causal=is_causal,
+                                                      enable_gqa=True).transpose(0, 1)
+        return out
+
+    def refuses(q, k, v, *args, **options):
+        if k.shape[1] != q.shape[1]:
+            raise RuntimeError("number of heads in key/value must equal those of query")
+        return varlen(q, k, v, *args, **options)
+
+    def tiles(q, k, v, *args, **options):
+        return varlen(q, k, v, *args, **options, wrong=True)
+
+    cpu = torch.device("cpu")
+    assert takes_grouped_kv(varlen, {"is_causal": True}, cpu, torch.float32)
+    assert not takes_grouped_kv(refuses, {"is_causal": True}, cpu, torch.float32)
+    assert not takes_grouped_kv(tiles, {"is_causal": True}, cpu, torch.float32)

@@ -171,23 +171,39 @@ def _varlen_kernel():
     return varlen_attn, set(inspect.signature(varlen_attn).parameters)
 
 
+@functools.lru_cache(maxsize=None)
+def _grouped_kv_probe(kernel, options: tuple, device: torch.device, dtype: torch.dtype) -> bool:
+    seeded = torch.Generator(device).manual_seed(0)  # a fixed probe, the global generators untouched
+    q = torch.randn(24, 4, 64, device=device, dtype=dtype, generator=seeded)
+    k, v = torch.randn(2, 24, 2, 64, device=device, dtype=dtype, generator=seeded)
+    cu = torch.tensor([0, 10, 24], dtype=torch.int32, device=device)
+    try:
+        grouped = kernel(q, k, v, cu, cu, 14, 14, **dict(options))
+    except (RuntimeError, ValueError):
+        return False
+    repeated = kernel(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), cu, cu, 14, 14, **dict(options))
+    return bool(torch.equal(grouped, repeated))
+
+
+def takes_grouped_kv(kernel, options: dict, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the varlen kernel, called with `options`, takes k/v with fewer heads than q (grouped-query attention)
+    and gives what it gives for k/v repeated to q's heads, bit for bit: probed once per device and dtype on a tiny
+    batch. Flash attention reads each KV head for its group of query heads itself; torch versions whose varlen_attn
+    has no enable_gqa keyword still pass k/v to it as they are. Where it does not, the caller repeats k and v (two
+    copies per layer: ~3 % of an 8B forward on an H100)."""
+    return _grouped_kv_probe(kernel, tuple(sorted(options.items())), device, dtype)
+
+
 def _varlen_attention(decoder, cu: torch.Tensor, longest: int, lengths: list[int]):
     """attention(q, k, v) for a packed batch: q [N, heads, d], k/v [N, kv_heads, d] -> [N, heads, d], causal within
     each sequence (cu: the int32 sequence boundaries on q's device)."""
     groups = decoder.heads // decoder.kv_heads
-    kernel = _varlen_kernel() if decoder.uses_varlen() else None
-    if kernel is not None:
-        varlen_attn, accepts = kernel
-        # torch 2.10 takes is_causal (and no scale: its default, 1/sqrt(d), is the model's); later ones window_size
-        options = {"window_size": (-1, 0)} if "window_size" in accepts else {"is_causal": True}
-        if "scale" in accepts:
-            options["scale"] = decoder.scale
-        native_gqa = groups > 1 and "enable_gqa" in accepts
-        if native_gqa:
-            options["enable_gqa"] = True
+    call = decoder.varlen_call()
+    if call is not None:
+        varlen_attn, options, repeat = call
 
         def attention(q, k, v):
-            if groups > 1 and not native_gqa:
+            if repeat:
                 k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
             return varlen_attn(q, k, v, cu, cu, longest, longest, **options)
         return attention
@@ -239,6 +255,22 @@ class Decoder:
         or later), 16-bit weights, a torch that has it."""
         return (self.varlen and self.device.type == "cuda" and self.dtype != torch.float32
                 and torch.cuda.get_device_capability(self.device) >= (8, 0) and _varlen_kernel() is not None)
+
+    def varlen_call(self):
+        """(kernel, its keyword options, whether k/v are repeated to q's heads first) of the packed capture's
+        variable-length flash attention, or None where it does not run (uses_varlen)."""
+        kernel = _varlen_kernel() if self.uses_varlen() else None
+        if kernel is None:
+            return None
+        varlen_attn, accepts = kernel
+        # torch 2.10 takes is_causal (and no scale: its default, 1/sqrt(d), is the model's); later ones window_size
+        options = {"window_size": (-1, 0)} if "window_size" in accepts else {"is_causal": True}
+        if "scale" in accepts:
+            options["scale"] = self.scale
+        grouped = self.heads > self.kv_heads
+        if grouped and "enable_gqa" in accepts:
+            options["enable_gqa"] = True
+        return varlen_attn, options, grouped and not takes_grouped_kv(varlen_attn, options, self.device, self.dtype)
 
     def rope(self, positions: torch.Tensor, longest: int | None = None):
         """(cos, sin) [B, T, d] at positions [B, T], from a table the model's own rotary embedding computed once;

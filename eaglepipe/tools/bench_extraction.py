@@ -160,7 +160,9 @@ def packed_check(engine, seqs, layer_ids) -> dict:
         finally:
             dec.varlen = True
     rest = slice(lengths[0], None)
-    return {"kernel": "varlen flash" if dec.uses_varlen() else "per-sequence SDPA", "sequences": len(seqs),
+    call = dec.varlen_call()
+    kernel = "per-sequence SDPA" if call is None else "varlen flash" + (", k/v repeated per group" if call[2] else "")
+    return {"kernel": kernel, "sequences": len(seqs),
             "isolation_error": max(rel(other[0][rest], got[0][rest]), rel(other[1][rest], got[1][rest])),
             "aux_relative_error": rel(got[0], ref[0]), "final_relative_error": rel(got[1], ref[1]),
             "aux_layer_relative_errors": {str(k): rel(got[0][:, i], ref[0][:, i]) for i, k in enumerate(layer_ids)}}
