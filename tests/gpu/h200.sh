@@ -57,10 +57,14 @@ bench)
         --chunk-size 256 --out /root/bench-out --json $OUT/gpu-extraction-smollm2.json 2>&1 | grep -v "Loading weights"
     bash $0 bench-8b
     ;;
-bench-8b)   # needs setup-a only (its wheels; no GGUF): the 8B shape has random weights
-    python3 -m eaglepipe.tools.bench_extraction --preset llama-8b --device cuda --tokens 1000000 --baseline-tokens 250000 \
-        --shard-tokens 250000 --out /root/bench-out --max-batch-tokens 16384 --json $OUT/gpu-extraction-llama8b.json \
-        2>&1 | grep -v "Loading weights"
+bench-8b)   # needs setup-a only (its wheels; no GGUF): the 8B shape has random weights. Two shard sizes: 1M tokens
+            # (32 GB, the size of a production shard: config/kimi-k2.5.yaml's 16 shards of the seed's 828 GB are ~52 GB
+            # each) and 250K tokens (8 GB): each shard job fills and drains the device pipeline once
+    for shard in 1000000 250000; do
+        python3 -m eaglepipe.tools.bench_extraction --preset llama-8b --device cuda --tokens 1000000 \
+            --baseline-tokens 250000 --shard-tokens $shard --out /root/bench-out --max-batch-tokens 16384 \
+            --json $OUT/gpu-extraction-llama8b-shard$shard.json 2>&1 | grep -v "Loading weights"
+    done
     ;;
 bench-train)
     python3 -m eaglepipe.tools.bench_train --preset kimi-k2 --device cuda --tokens 4096 --seq-len 2048 --ttt-steps 7 \
