@@ -190,7 +190,7 @@ def takes_grouped_kv(kernel, options: dict, device: torch.device, dtype: torch.d
     and gives what it gives for k/v repeated to q's heads, bit for bit: probed once per device and dtype on a tiny
     batch. Flash attention reads each KV head for its group of query heads itself; torch versions whose varlen_attn
     has no enable_gqa keyword still pass k/v to it as they are. Where it does not, the caller repeats k and v (two
-    copies per layer: ~3 % of an 8B forward on an H100)."""
+    copies per layer)."""
     return _grouped_kv_probe(kernel, tuple(sorted(options.items())), device, dtype)
 
 
