@@ -46,3 +46,17 @@ def validate(config: dict, schema_path=SCHEMA) -> dict:
         raise ConfigError("invalid configuration (see config/README.md):\n  " + "\n  ".join(lines))
     return config
 
+
+
+def scheduling_keys(schema_path=SCHEMA) -> dict[str, set[str]]:
+    """Per section, the keys the schema marks `x-scheduling`: where and how fast a job runs, not what it writes."""
+    schema = yaml.safe_load(Path(schema_path).read_text())
+    return {section: {key for key, sub in spec.get("properties", {}).items() if sub.get("x-scheduling")}
+            for section, spec in schema["properties"].items()}
+
+
+def output_settings(config: dict, section: str, schema_path=SCHEMA) -> dict:
+    """The keys of `config[section]` that can change a job's outputs: a rule's `params`, so that a scheduling key
+    (threads, GPUs, checkpoint interval) re-runs nothing."""
+    scheduling = scheduling_keys(schema_path)[section]
+    return {k: v for k, v in config[section].items() if k not in scheduling}

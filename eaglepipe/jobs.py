@@ -23,6 +23,12 @@ def _engine(smk) -> dict:
     return {**smk.params.engine, "threads": smk.threads}
 
 
+def _settings(smk, section: str) -> dict:
+    """A config section as the job uses it: the rule's params (the keys that change outputs) with the scheduling
+    keys the rule leaves out of them (rules/common.smk `settings`)."""
+    return {**smk.config[section], **getattr(smk.params, section)}
+
+
 def target(smk) -> None:
     _start(smk)
     from . import target as stage
@@ -203,7 +209,7 @@ def train(smk) -> None:
 
     validate.verify_shards(smk.input.manifest, smk.input.shards, smk.threads)
     manifest = json.loads(Path(smk.input.manifest).read_text())
-    settings = smk.params.train
+    settings = _settings(smk, "train")
     stage.launch(
         dict(
             shard_paths=list(smk.input.shards),

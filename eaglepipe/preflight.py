@@ -19,7 +19,7 @@ from pathlib import Path
 from . import reasoning
 from .config import SCHEMA, ConfigError, validate
 from .target import TargetInfo, _safetensors_files, read_info, resolve_layer_ids
-from .tools import estimate
+from . import estimate
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ rule bench:
     output:
         served="results/bench/served.json",
     params:
-        bench=config["bench"],
-        engine=config["engine"],
+        bench=settings("bench"),
+        engine=settings("engine"),
         template_kwargs=config["generation"]["template_kwargs"],
         chat_template=config["target"]["chat_template"],
         multi_turn=config["generation"]["multi_turn"],

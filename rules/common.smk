@@ -5,15 +5,16 @@ from snakemake.exceptions import WorkflowError
 
 import eaglepipe.bundle
 import eaglepipe.config
-import eaglepipe.tools.estimate
+import eaglepipe.estimate
 import eaglepipe.preflight
 
 EMBEDDED_TARGET = "resources/targets/smollm2-135m"
+SCHEMA = workflow.source_path("../config/schema.yaml")
 
 # The one check of the configuration (eaglepipe.preflight.check_workflow), before anything else reads it.
 try:
     TARGET_FACTS = eaglepipe.preflight.check_workflow(
-        config, workflow.source_path("../config/schema.yaml"), embedded_target=EMBEDDED_TARGET
+        config, SCHEMA, embedded_target=EMBEDDED_TARGET
     )
 except eaglepipe.config.ConfigError as err:
     raise WorkflowError(str(err)) from None
@@ -25,6 +26,13 @@ SHARDS = list(range(config["generation"]["num_shards"]))
 wildcard_constraints:
     split="train|eval",
     i=r"\d+",
+
+
+def settings(section):
+    """A rule's `params` of one config section: the keys that can change its outputs. Scheduling keys (threads, GPUs,
+    the checkpoint interval) reach the job as `threads:`/`resources:` or from the config, so changing one re-runs
+    nothing."""
+    return eaglepipe.config.output_settings(config, section, SCHEMA)
 
 
 def target_dir():
@@ -75,7 +83,7 @@ def prompt_sources():
 # `snakemake --quiet` leaves it out.
 if workflow.is_main_process and not getattr(workflow.output_settings, "quiet", None):
     try:
-        print(eaglepipe.tools.estimate.format_plan(eaglepipe.tools.estimate.plan(config)), file=sys.stderr)
+        print(eaglepipe.estimate.format_plan(eaglepipe.estimate.plan(config)), file=sys.stderr)
     except ValueError as err:
         raise WorkflowError(str(err)) from None
 

@@ -14,8 +14,8 @@ rule hidden_states:
         # The shard's sha256_tree and counts, written by the same job from the bytes it wrote (the manifest gathers these).
         record="results/hidden_states/{split}/shard-{i}.json",
     params:
-        engine=config["engine"],
-        hidden_states=config["hidden_states"],
+        engine=settings("engine"),
+        hidden_states=settings("hidden_states"),
         # Completed chunks for resume after a crash: not an output, so Snakemake keeps it when the job fails.
         progress="results/.progress/hidden_states/{split}/shard-{i}",
         stage=split_shards("results/hidden_states/{split}/shard-{i}.safetensors"),
@@ -42,7 +42,7 @@ rule manifest:
         manifest="results/hidden_states/manifest.json",
     params:
         shards=HIDDEN_SHARDS,
-        engine=config["engine"]["name"],
+        engine=settings("engine")["name"],
     log:
         "logs/manifest.log",
     script:

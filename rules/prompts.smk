@@ -12,7 +12,7 @@ rule synthesize_prompts:
         counts="results/prompts/synthesized.json",
     params:
         synthesize=SYNTHESIZE,
-        engine=config["engine"],
+        engine=settings("engine"),
         template_kwargs=config["generation"]["template_kwargs"],
         chat_template=config["target"]["chat_template"],
         # Completed chunks for resume after a crash: not an output, so Snakemake keeps it when the job fails.

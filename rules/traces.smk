@@ -8,7 +8,7 @@ rule traces:
     output:
         shard="results/traces/{split}/shard-{i}.parquet",
     params:
-        engine=config["engine"],
+        engine=settings("engine"),
         generation=config["generation"],
         # Completed chunks for resume after a crash: not an output, so Snakemake keeps it when the job fails.
         progress="results/.progress/traces/{split}/shard-{i}",

@@ -12,7 +12,7 @@ rule train:
         model="results/draft/model.safetensors",
         log="results/draft/train_log.jsonl",
     params:
-        train=config["train"],
+        train=settings("train"),
     threads: config["train"]["threads"]
     resources:
         gpu=config["train"]["gpus"],

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from conftest import REPO, snakemake, tiny_config
-from eaglepipe.tools import estimate
+from eaglepipe import estimate
 from eaglepipe.config import validate
 
 KIMI = yaml.safe_load((REPO / "config/kimi-k2.5.yaml").read_text())
@@ -76,7 +76,7 @@ def test_plan_takes_tokens_from_trace_stats_when_present(tmp_path):
     plan = estimate.plan(config, stats_path=stats)
     assert plan["tokens"] == 4400 and plan["tokens_from"] == str(stats)
     assert plan["hidden_state_bytes"] == 4400 * 4 * 7168 * 2
-    cli = subprocess.run([sys.executable, "-m", "eaglepipe.tools.estimate", "--json", "--configfile",
+    cli = subprocess.run([sys.executable, "-m", "eaglepipe.estimate", "--json", "--configfile",
                           str(REPO / "config/kimi-k2.5.yaml")], capture_output=True, text=True, cwd=tmp_path)
     assert cli.returncode == 0, cli.stderr
     assert json.loads(cli.stdout)["hidden_state_bytes_per_token"] == 4 * 7168 * 2

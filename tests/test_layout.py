@@ -1,5 +1,5 @@
 """The package's layout holds: no import cycle in eaglepipe/, every script one call of eaglepipe.jobs, every rule's
-script named by a function of that module."""
+script named by a function of that module, and the workflow independent of the developer tools in eaglepipe/tools/."""
 
 import ast
 import re
@@ -61,7 +61,7 @@ def test_no_import_cycle_in_the_package():
     graph = {module_name(p): imports(p, modules) for p in paths}
     # A parent package is imported before its modules: an edge from a module to its own package is no cycle.
     graph = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in graph.items()}
-    assert graph["eaglepipe.preflight"] >= {"eaglepipe.tools.estimate"}  # the walk sees relative imports
+    assert graph["eaglepipe.preflight"] >= {"eaglepipe.estimate"}  # the walk sees relative imports
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
     assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
 
@@ -81,3 +81,25 @@ def test_every_script_is_one_call_of_its_rule():
         call = ast.unparse(calls[0])
         assert call == f"jobs.{rules[script.name]}(snakemake)", f"{script.name}: {call}"
         assert callable(getattr(jobs, rules[script.name]))
+
+
+def workflow_modules(modules: set[str]) -> set[str]:
+    """eaglepipe modules the workflow reaches: those rules/*.smk import, the jobs, and everything they import."""
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    found = {"eaglepipe.jobs"}
+    for smk in (REPO / "rules").glob("*.smk"):
+        found |= {m for m in re.findall(r"^import (eaglepipe[\w.]*)", smk.read_text(), re.M) if m in modules}
+    todo = list(found)
+    while todo:
+        for dep in imports(paths[todo.pop()], modules) - found:
+            found.add(dep)
+            todo.append(dep)
+    return found
+
+
+def test_the_workflow_imports_nothing_from_the_developer_tools():
+    modules = {module_name(p) for p in PACKAGE.rglob("*.py")}
+    reached = workflow_modules(modules)
+    assert {"eaglepipe.jobs", "eaglepipe.preflight", "eaglepipe.estimate", "eaglepipe.train"} <= reached
+    tools = sorted(m for m in reached if m.startswith("eaglepipe.tools"))
+    assert not tools, f"the workflow imports developer tools {tools}: move what it needs into the core package"

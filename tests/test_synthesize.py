@@ -238,7 +238,7 @@ def test_workflow_plans_synthesis_only_when_enabled(tmp_path, tiny_target):
 
 
 def test_plan_counts_synthesized_prompts_as_an_upper_bound():
-    from eaglepipe.tools.estimate import count_prompts, gpu_rules
+    from eaglepipe.estimate import count_prompts, gpu_rules
 
     def plan_count(**synth):
         config = {"prompts": {"synthesize": synth}, "engine": {"gpus": 1}}

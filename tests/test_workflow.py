@@ -143,6 +143,21 @@ def test_nothing_to_do_after_a_full_run(first_run):
     assert planned_rules(workdir, config) == set()
 
 
+def test_scheduling_keys_rerun_nothing(first_run):
+    """Every key the schema marks x-scheduling (threads, GPUs, processes, the checkpoint interval) changed at once on
+    a finished run: it alters no output, so nothing is planned."""
+    from eaglepipe.config import scheduling_keys
+
+    workdir, config = first_run
+    marked = {section: keys for section, keys in scheduling_keys().items() if keys}
+    assert {"engine", "hidden_states", "train", "evaluate", "bench"} <= marked.keys()
+    changed = tiny_config(config["target"]["path"])
+    values = {"gpus": 1, "processes": 2, "checkpoint_every": 7}
+    for section, keys in marked.items():
+        changed.setdefault(section, {}).update({k: values.get(k, 3) for k in keys})
+    assert planned_rules(workdir, changed) == set()
+
+
 def test_vocab_size_change_reruns_only_vocab_and_what_follows(first_run):
     workdir, config = first_run
     changed = tiny_config(config["target"]["path"], vocab={"draft_vocab_size": 256})

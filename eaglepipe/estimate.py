@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..target import TargetInfo, read_info
+from .target import TargetInfo, read_info
 
 # SmolLM2-135M, the embedded default, before the target rule has fetched it.
 EMBEDDED_INFO = {"num_layers": 30, "hidden_size": 576, "vocab_size": 49152}
@@ -39,7 +39,7 @@ def target_facts(config: dict, embedded_dir="resources/targets/smollm2-135m") ->
 
 def count_prompts(config: dict) -> int | None:
     """Prompt records in the sources (capped by prompts.max_prompts); None when a source is absent and no cap."""
-    from ..prompts import count_records, default_source
+    from .prompts import count_records, default_source
 
     p = config["prompts"]
     synth = p.get("synthesize", {})
@@ -111,12 +111,12 @@ def format_plan(p: dict) -> str:
 
 
 def main(argv=None) -> None:
-    """python -m eaglepipe.tools.estimate --configfile A.yaml [B.yaml ...]: the plan over config/config.yaml."""
+    """python -m eaglepipe.estimate --configfile A.yaml [B.yaml ...]: the plan over config/config.yaml."""
     import argparse
 
     import yaml
 
-    from ..config import SCHEMA, validate
+    from .config import SCHEMA, validate
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--configfile", nargs="+", default=[])
