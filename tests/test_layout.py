@@ -103,3 +103,21 @@ def test_the_workflow_imports_nothing_from_the_developer_tools():
     assert {"eaglepipe.jobs", "eaglepipe.preflight", "eaglepipe.estimate", "eaglepipe.train"} <= reached
     tools = sorted(m for m in reached if m.startswith("eaglepipe.tools"))
     assert not tools, f"the workflow imports developer tools {tools}: move what it needs into the core package"
+
+
+def test_config_docs_are_generated_from_the_schema(tmp_path):
+    """config/README.md's key tables are the schema's descriptions and defaults; an edit of the schema alone makes
+    them stale, and the check says so."""
+    import shutil
+
+    from eaglepipe.tools import config_docs
+
+    text = config_docs.README.read_text()
+    assert config_docs.render(text) == text, "config/README.md is stale: run python -m eaglepipe.tools.config_docs"
+    schema = tmp_path / "schema.yaml"
+    shutil.copy(config_docs.SCHEMA, schema)
+    schema.write_text(schema.read_text().replace("Short name used in reports.", "A new description.", 1))
+    stale = config_docs.render(text, schema_path=schema)
+    assert stale != text and "| `target.name` | `smollm2-135m` | A new description" in stale
+    documented = set(re.findall(r"^\| `([\w.]+)` \|", text, re.M))
+    assert {"engine.threads", "train.checkpoint_every", "prompts.synthesize.seed", "preflight.enabled"} <= documented

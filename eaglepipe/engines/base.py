@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config import defaults
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -64,22 +66,26 @@ def group_ranges(count: int, groups: list[int] | None) -> list[range]:
     return [r for r in out if len(r)]
 
 
+_ENGINE = defaults("engine")  # config/schema.yaml describes every key and holds its default
+
+
 @dataclass(frozen=True)
 class EngineSettings:
-    name: str = "transformers"
-    device: str = "cpu"
-    dtype: str = "float32"
-    batch_size: int = 16
-    max_batch_tokens: int = 8192
-    threads: int = 1
-    fast_path: str | bool = "auto"  # transformers only: engines/fast.py (auto: on CUDA, for the layouts it runs)
+    name: str = _ENGINE["name"]
+    device: str = _ENGINE["device"]
+    dtype: str = _ENGINE["dtype"]
+    batch_size: int = _ENGINE["batch_size"]
+    max_batch_tokens: int = _ENGINE["max_batch_tokens"]
+    threads: int = _ENGINE["threads"]
+    fast_path: str | bool = _ENGINE["fast_path"]
     # vLLM only
-    tensor_parallel_size: int = 1
-    max_model_len: int = 4096
-    gpu_memory_utilization: float = 0.85
-    enforce_eager: bool = True
-    seed: int = 0
-    cpu_kvcache_gib: float = 2.0
+    tensor_parallel_size: int = _ENGINE["tensor_parallel_size"]
+    max_model_len: int = _ENGINE["max_model_len"]
+    gpu_memory_utilization: float = _ENGINE["gpu_memory_utilization"]
+    enforce_eager: bool = _ENGINE["enforce_eager"]
+    seed: int = _ENGINE["seed"]
+    cpu_kvcache_gib: float = _ENGINE["cpu_kvcache_gib"]
+    # Not config keys: set by the bench when it serves a draft
     draft: str | None = None  # an EAGLE-3 draft checkpoint: generate with speculative decoding (vLLM)
     num_speculative_tokens: int = 3
 
