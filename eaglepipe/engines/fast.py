@@ -5,9 +5,10 @@ layer's states kept, small batches. For decoder-only targets whose layers follow
 Qwen2, Qwen3), this module runs the same modules (projections, norms, MLP, the model's rotary embedding) with:
 
 - generation: one preallocated KV cache per batch ([rows, kv_heads, prompt + new tokens, head_dim] per layer), left
-  padded prompts, large length-sorted batches sized from free device memory, logits only at the last position, finished
-  rows dropped from the batch as they end (the cache is compacted), greedy or temperature / top-p sampling from a
-  seeded generator;
+  padded prompts, large length-sorted batches sized from the device's total memory less the weights (not from what
+  is free, so the same device gives the same batches), logits only at the last position, finished rows dropped
+  from the batch as they end (the cache is compacted), greedy or temperature / top-p sampling from a seeded
+  generator;
 - capture: packed batches (sequences one after another, no padding; variable-length flash attention keeps each
   token within its own sequence), only the requested layers' inputs and the final normed state kept, copied to pinned
   host memory without blocking while the next batch runs; the q/k/v and the gate/up projections as one product each
