@@ -1,13 +1,13 @@
-"""Anchor side by side (issue 12 item 6): move eaglepipe's hidden states into speculators' offline trainer and its
-trained draft back into eaglepipe's checkpoint format, so one evaluator (eaglepipe.evaluate) and one engine (vLLM)
-score both drafts.
+"""The anchor side by side (benchmarks/anchor.sh): move eaglepipe's hidden states into speculators' offline trainer
+and its trained draft back into eaglepipe's checkpoint format, so one evaluator (eaglepipe.evaluate) and one engine
+(vLLM) score both drafts.
 
     # our shards -> speculators' data folder (a datasets save_to_disk table + hidden_states/hs_<i>.safetensors)
-    python tests/gpu/anchor_convert.py to-speculators --target T --out DATA [--vocab-from DRAFT] \
+    python benchmarks/anchor_convert.py to-speculators --target T --out DATA [--vocab-from DRAFT] \
         --train results/hidden_states/train/*.safetensors --val results/hidden_states/eval/*.safetensors \
         [--data-fraction 0.25 --seed 0]
     # speculators' checkpoint -> eaglepipe's draft folder (config.json + model.safetensors, vLLM's Eagle-3 form)
-    python tests/gpu/anchor_convert.py to-eaglepipe --target T --checkpoint CKPT --aux-layer-ids 2 15 27 --out DIR
+    python benchmarks/anchor_convert.py to-eaglepipe --target T --checkpoint CKPT --aux-layer-ids 2 15 27 --out DIR
 
 What speculators (0.9.0) reads, from speculators/train/data.py and hs_connectors/transfer.py:
   DATA/                    datasets.save_to_disk table, torch format, one row per sequence: input_ids (int64),
@@ -34,7 +34,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from eaglepipe.draft import DraftConfig, Eagle3Draft, save_checkpoint  # noqa: E402
@@ -67,10 +67,10 @@ def to_speculators(args) -> None:
     norm_w = target_tensor(target, "norm.weight").float()
     if bool((norm_w.abs() < 1e-6).any()):
         raise SystemExit(f"{target}: its final norm has (near-)zero weights; final / weight cannot undo the norm")
-    head = target_tensor(target, "lm_head.weight") if not json.loads(
-        (target / "config.json").read_text()).get("tie_word_embeddings") else target_tensor(target, "embed_tokens.weight")
+    target_cfg = json.loads((target / "config.json").read_text())
+    head = target_tensor(target, "embed_tokens.weight" if target_cfg.get("tie_word_embeddings") else "lm_head.weight")
     head = head.float()
-    eps = json.loads((target / "config.json").read_text()).get("rms_norm_eps", 1e-6)
+    eps = target_cfg.get("rms_norm_eps", 1e-6)
     rows = {"input_ids": [], "loss_mask": [], "seq_len": []}
     counts = {"train": 0, "val": 0}
     tokens = {"train": 0, "val": 0}
@@ -154,7 +154,7 @@ def to_eaglepipe(args) -> None:
              if cfg.get(k)}
     if extra:
         raise SystemExit(f"{ckpt}/config.json: {extra}; eaglepipe's draft has none of these norms. Train with "
-                         "--no-norm-before-fc --no-norm-output --no-norm-before-residual (see anchor_speculators.sh)")
+                         "--no-norm-before-fc --no-norm-output --no-norm-before-residual (see benchmarks/anchor.sh)")
     layers = cfg.get("transformer_layer_config", {}).get("num_hidden_layers", 1)
     if layers != 1:
         raise SystemExit(f"{ckpt}: {layers} draft layers; eaglepipe's draft has one")

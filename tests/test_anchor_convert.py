@@ -1,7 +1,7 @@
-"""tests/gpu/anchor_convert.py to-eaglepipe, the half of the anchor comparison that needs no GPU and no speculators:
+"""benchmarks/anchor_convert.py to-eaglepipe, the half of the anchor comparison that needs no GPU and no speculators:
 a checkpoint in speculators' Eagle-3 layout (its parameter names, its verifier tensors, its config flags) becomes our
 draft folder, weight for weight; a checkpoint with norms our draft lacks is refused by name. (to-speculators needs
-speculators' `datasets` and the trainer an accelerator: tests/gpu/anchor_speculators.sh runs both on the GPU.)"""
+speculators' `datasets` and the trainer an accelerator: benchmarks/anchor.sh runs both on the GPU.)"""
 
 import importlib.util
 import json
@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from conftest import REPO
 from eaglepipe.draft import DraftConfig, Eagle3Draft, save_checkpoint
 
-spec = importlib.util.spec_from_file_location("anchor_convert", REPO / "tests" / "gpu" / "anchor_convert.py")
+spec = importlib.util.spec_from_file_location("anchor_convert", REPO / "benchmarks" / "anchor_convert.py")
 anchor_convert = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(anchor_convert)
 
