@@ -227,6 +227,8 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
     process group must be initialised; every rank returns the same trained model. weights_out: a folder where each
     rank saves its float32 weights as rank-<r>.pt (to compare ranks and runs)."""
     torch.set_num_threads(threads)
+    shard_paths = sorted(map(str, shard_paths))
+    states_dtype = common_dtype(shard_paths)  # mixed bf16 and fp8 shards are refused, the odd shard named
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, set before CUDA starts
     torch.use_deterministic_algorithms(True, warn_only=True)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -247,8 +249,6 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
     params = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer(params, device, lr=settings["lr"], weight_decay=settings["weight_decay"])
 
-    shard_paths = sorted(map(str, shard_paths))
-    states_dtype = common_dtype(shard_paths)  # mixed bf16 and fp8 shards are refused, the odd shard named
     cus = [sequence_lengths(p) for p in shard_paths]
     batches = schedule(cus, settings)
     total = len(batches)
