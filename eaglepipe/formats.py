@@ -247,7 +247,7 @@ STATE_KEYS = ("aux", "final")  # the large tensors of a shard; the others are pe
 def shard_dtype(path) -> str:
     """The dtype a shard's states are stored in, from its header."""
     with safe_open(str(path), framework="pt") as f:
-        if "aux" not in f.keys():
+        if "aux" not in set(f.keys()):
             raise ValueError(f"hidden-state shard {path}: missing tensors ['aux']")
         return dtype_of(_DTYPE_NAMES.get(f.get_slice("aux").get_dtype()))
 

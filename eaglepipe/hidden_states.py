@@ -22,9 +22,9 @@ from .formats import (
     TRACE_SCHEMA,
     atomic_path,
     read_table,
-    shard_dtype,
     sha256_file,
     sha256_tree,
+    shard_dtype,
     write_hidden_shard,
     write_json,
 )

@@ -22,7 +22,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .formats import STATE_KEYS, read_hidden_shard, read_table, sha256_tree, shard_dtype, write_json
+from .formats import (
+    STATE_KEYS,
+    read_hidden_shard,
+    read_table,
+    sha256_tree,
+    shard_dtype,
+    write_json,
+)
 from .hidden_states import sequences_of
 
 log = logging.getLogger(__name__)
@@ -97,9 +104,10 @@ def check_shard(entry: dict, manifest: dict, trace_path, max_length: int) -> Non
 
 
 def check_finite(path, where: str, block_rows: int = FINITE_BLOCK_ROWS) -> None:
-    """No NaN or Inf in the shard's states, read a block of rows at a time through a memory map."""
+    """No NaN or Inf in the shard's states (and fp8 scales), read a block of rows at a time through a memory map."""
     with safe_open(str(path), framework="pt") as f:
-        for key in [*STATE_KEYS, *(k for k in ("aux_scale", "final_scale") if k in f.keys())]:
+        scales = set(f.keys()) & {"aux_scale", "final_scale"}  # fp8 shards
+        for key in [*STATE_KEYS, *sorted(scales)]:
             view = f.get_slice(key)
             rows = view.get_shape()[0]
             bad_total, first = 0, None
