@@ -117,10 +117,11 @@ def bytes_per_token(dtype: str, num_aux: int, hidden_size: int) -> int:
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3fn values and a float32 scale per row of the last dimension, on x's device: x ~ values * scale."""
-    x = x.float()
-    scale = x.abs().amax(-1) / FP8_MAX
+    scale = x.abs().amax(-1).float() / FP8_MAX  # the largest magnitude is one of the values: exact in x's dtype
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a row of zeros: any scale, zeros stay exact
-    return (x / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+    # one float32 copy, divided in place: on the device this runs beside the target's own activations
+    values = x.to(torch.float32, copy=True).div_(scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
+    return values.to(torch.float8_e4m3fn), scale
 
 
 def dequantize(values: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
