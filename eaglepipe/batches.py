@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from .draft import Packing
-from .formats import SHARD_KEYS
+from .formats import dequantize, shard_dtype, shard_keys
 
 
 @dataclass
@@ -70,7 +70,8 @@ def collate(shard: dict[str, torch.Tensor], seqs: list[int], max_tokens: int, dt
             steps: int = 0) -> Batch:
     """The packed batch of sequences `seqs` (each cut to max_tokens). With t2d (host bool [V]) and steps, the loss
     positions of every unroll step are computed here on the host (valid, step_rows, step_counts). Host tensors go
-    to a CUDA device through pinned memory, asynchronously."""
+    to a CUDA device through pinned memory, asynchronously; fp8 states go as they are stored (half the bytes) and
+    are dequantized there."""
     device = torch.device(device)
     cu = shard["cu_seqlens"].tolist()
     spans = [(cu[i], min(cu[i + 1], cu[i] + max_tokens)) for i in seqs]
@@ -83,8 +84,11 @@ def collate(shard: dict[str, torch.Tensor], seqs: list[int], max_tokens: int, dt
     seq_end = starts[doc + 1]
     input_ids = shard["input_ids"][index].long()
     loss_mask = shard["loss_mask"][index].bool()
-    host = {"input_ids": input_ids, "loss_mask": loss_mask, "aux": shard["aux"][index].reshape(t, -1)[None],
-            "final": shard["final"][index], "positions": positions[None], "seq_end": seq_end, "doc": doc}
+    host = {"input_ids": input_ids, "loss_mask": loss_mask, "aux": shard["aux"][index], "final": shard["final"][index],
+            "positions": positions[None], "seq_end": seq_end, "doc": doc}
+    for key in ("aux_scale", "final_scale"):
+        if key in shard:
+            host[key] = shard[key][index]
     counts = None
     if t2d is not None:
         idx = torch.arange(t)
@@ -97,7 +101,9 @@ def collate(shard: dict[str, torch.Tensor], seqs: list[int], max_tokens: int, dt
         host["step_of"] = torch.repeat_interleave(torch.arange(steps), torch.tensor(counts, dtype=torch.int64))
     cuda = device.type == "cuda"
     moved = {k: (v.pin_memory() if cuda else v).to(device, non_blocking=cuda) for k, v in host.items()}
-    moved["aux"], moved["final"] = moved["aux"].to(dtype), moved["final"].to(dtype)
+    for key in ("aux", "final"):
+        moved[key] = dequantize(moved[key], moved.pop(f"{key}_scale", None), dtype)
+    moved["aux"] = moved["aux"].reshape(t, -1)[None]
     return Batch(**moved, step_counts=counts)
 
 
@@ -151,7 +157,7 @@ def read_sequences(path, seqs: list[int], max_tokens: int) -> tuple[dict[str, to
     with safe_open(str(path), framework="pt") as f:
         cu = f.get_tensor("cu_seqlens").tolist()
         spans = [(cu[i], min(cu[i + 1], cu[i] + max_tokens)) for i in seqs]
-        parts = {k: [] for k in SHARD_KEYS if k != "cu_seqlens"}
+        parts = {k: [] for k in shard_keys(shard_dtype(path)) if k != "cu_seqlens"}
         for key in parts:
             view = f.get_slice(key)
             parts[key] = [view[a:b] for a, b in spans]

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .formats import bytes_per_token
 from .target import TargetInfo, read_info
 
 # SmolLM2-135M, the embedded default, before the target rule has fetched it.
 EMBEDDED_INFO = {"num_layers": 30, "hidden_size": 576, "vocab_size": 49152}
-BYTES_PER_VALUE = 2  # hidden states are stored in bf16
 
 
 def target_facts(config: dict, embedded_dir="resources/targets/smollm2-135m") -> dict:
@@ -83,10 +83,11 @@ def plan(config: dict, stats_path="results/traces/stats.json") -> dict:
                   config["hidden_states"]["max_length"])
         tokens = None if prompts is None else prompts * per
         source = f"upper bound: prompts x {per} tokens"
-    per_token = (len(layers) + 1) * facts["hidden_size"] * BYTES_PER_VALUE  # aux layers + final state
+    dtype = config["hidden_states"]["dtype"]
+    per_token = bytes_per_token(dtype, len(layers), facts["hidden_size"])
     return {
         "target": {**facts, "aux_layer_ids": layers}, "prompts": prompts, "tokens": tokens, "tokens_from": source,
-        "hidden_state_bytes_per_token": per_token,
+        "hidden_state_dtype": dtype, "hidden_state_bytes_per_token": per_token,
         "hidden_state_bytes": None if tokens is None else tokens * per_token, "gpu_rules": gpu_rules(config),
     }
 
@@ -102,8 +103,8 @@ def format_plan(p: dict) -> str:
         f"plan: prompts {p['prompts'] if p['prompts'] is not None else 'unknown'}; tokens "
         f"{'unknown' if p['tokens'] is None else format(p['tokens'], ',')} ({p['tokens_from']})",
         f"plan: hidden states {p['hidden_state_bytes_per_token']:,} bytes per token "
-        f"({len(t['aux_layer_ids'])} aux + final) x {t['hidden_size']} x {BYTES_PER_VALUE}: "
-        f"{size(p['hidden_state_bytes'])}",
+        f"(({len(t['aux_layer_ids'])} aux + final) x {t['hidden_size']} in {p['hidden_state_dtype']}, token id, "
+        f"loss mask): {size(p['hidden_state_bytes'])}",
     ]
     gpus = ", ".join(f"{g['rule']} ({g['jobs']} jobs x gpu={g['gpus_per_job']})" for g in p["gpu_rules"])
     lines.append(f"plan: GPU rules: {gpus or 'none (CPU run)'}")

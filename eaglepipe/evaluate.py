@@ -22,7 +22,7 @@ import torch
 
 from .batches import collate, plan, shifted, step_inputs
 from .draft import load_checkpoint
-from .formats import read_hidden_shard, write_json
+from .formats import common_dtype, read_hidden_shard, write_json
 from .target import load_embeddings
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,7 @@ def subset(acceptance: dict, ids) -> dict | None:
 def score(model, shard_paths: list[str], embed: torch.Tensor, max_k: int, max_tokens: int, device: str = "cpu") -> dict:
     """acceptance.json's content for these shards."""
     all_lengths, all_looped, by_sequence = [], [], {}
+    common_dtype(sorted(shard_paths))  # mixed bf16 and fp8 shards are refused, the odd shard named
     for path in sorted(shard_paths):
         shard, metadata = read_hidden_shard(path)
         lengths, owners, looped = accepted_lengths(model, shard, embed, max_k, max_tokens, device, loop_tokens(shard))

@@ -24,6 +24,7 @@ from .formats import (
     read_table,
     sha256_file,
     sha256_tree,
+    shard_dtype,
     write_hidden_shard,
     write_json,
 )
@@ -72,7 +73,7 @@ def write_record(record_path, shard_path, *, digest: str, tensors: dict, metadat
     record = {"shard": Path(shard_path).name, "sha256_tree": digest, "bytes": Path(shard_path).stat().st_size,
               "samples": len(metadata["ids"]), "tokens": int(tensors["input_ids"].numel()),
               "loss_tokens": int(tensors["loss_mask"].sum()), "layer_ids": metadata["layer_ids"],
-              "target_fingerprint": metadata["target_fingerprint"]}
+              "target_fingerprint": metadata["target_fingerprint"], "dtype": shard_dtype(shard_path)}
     write_json(record_path, record)
     return record
 
@@ -115,8 +116,10 @@ def runs_of(indices: list[int], lengths: list[int], starts: list[int]) -> list[t
 
 
 def extract(eng, output_path, seqs: list[list[int]], small: dict, metadata: dict, layer_ids: list[int], *,
-            hidden: int, chunk_size: int, units: Units | None = None, progress: Progress | None = None) -> str:
-    """Capture every sequence's rows and stream them into the shard at output_path; returns its sha256_tree.
+            hidden: int, chunk_size: int, units: Units | None = None, progress: Progress | None = None,
+            dtype: str = "bfloat16") -> str:
+    """Capture every sequence's rows and stream them into the shard at output_path, its states in `dtype` (encoded
+    by the engine, on its device); returns its sha256_tree.
 
     Chunks of chunk_size sequences are the units of resume: when a chunk's rows are on disk (in the shard's partial
     file, fdatasync'd), its row range is recorded in `units`; a rerun with the same units reopens the partial file
@@ -135,7 +138,7 @@ def extract(eng, output_path, seqs: list[list[int]], small: dict, metadata: dict
                                        f"{list(rows_of[c])}; delete {units.folder} and rerun")
                 done[c] = rows_of[c]
     writer = StreamingShard(output_path, **small, n_aux=len(layer_ids), hidden=hidden, metadata=metadata,
-                            keep=list(done.values()), keep_partial=units is not None)
+                            dtype=dtype, keep=list(done.values()), keep_partial=units is not None)
     with writer:
         if done and not writer.kept:
             units.discard(f"the partial file {writer.tmp} is missing or belongs to another shard")
@@ -147,7 +150,8 @@ def extract(eng, output_path, seqs: list[list[int]], small: dict, metadata: dict
         order = [i for c in todo for i in chunks[c]]  # the sequences to capture, chunk after chunk
         chunk_of = {i: c for c in todo for i in chunks[c]}
         left = {c: len(chunks[c]) for c in todo}
-        batches = eng.capture_rows([seqs[i] for i in order], layer_ids, groups=[len(chunks[c]) for c in todo])
+        batches = eng.capture_rows([seqs[i] for i in order], layer_ids, groups=[len(chunks[c]) for c in todo],
+                                   dtype=dtype)
         with contextlib.closing(batches):  # closed on failure too: the engine gets its host buffers back
             for rows in batches:
                 indices = [order[j] for j in rows.indices]
@@ -157,7 +161,8 @@ def extract(eng, output_path, seqs: list[list[int]], small: dict, metadata: dict
                     raise RuntimeError(f"engine returned aux {tuple(rows.aux.shape)} / final "
                                        f"{tuple(rows.final.shape)} for {len(indices)} sequences of {expected} tokens "
                                        f"with {len(layer_ids)} layers")
-                writer.write_runs(runs_of(indices, lengths, starts), rows.aux, rows.final, release=rows.release)
+                writer.write_runs(runs_of(indices, lengths, starts), rows.aux, rows.final, release=rows.release,
+                                  aux_scale=rows.aux_scale, final_scale=rows.final_scale)
                 for i in indices:
                     c = chunk_of[i]
                     left[c] -= 1
@@ -170,7 +175,7 @@ def extract(eng, output_path, seqs: list[list[int]], small: dict, metadata: dict
 
 
 def run(trace_path, output_path, *, target_dir, layer_ids, engine: dict, max_length: int, chunk_size: int,
-        progress_dir=None, record_path=None) -> None:
+        dtype: str = "bfloat16", progress_dir=None, record_path=None) -> None:
     """Stream the shard (shard_writer.StreamingShard), then write its record; the partial file beside the output and
     the progress folder's chunk records are the resume state after a crash."""
     info = read_info(target_dir)
@@ -178,7 +183,7 @@ def run(trace_path, output_path, *, target_dir, layer_ids, engine: dict, max_len
     ids, seqs, masks = sequences_of(read_table(trace_path, TRACE_SCHEMA), max_length)
     progress = Progress(f"hidden states {trace_path}", len(seqs), "tok/s")
     key = units_key(sha256_file(trace_path), fingerprint(target_dir), layer_ids, engine, max_length, chunk_size,
-                    Path(__file__).read_text())
+                    dtype, Path(__file__).read_text())
     units = Units(progress_dir or Path(output_path).with_name(f".{Path(output_path).name}.progress"), key,
                   f"hidden states {trace_path}")
     small = shard_tensors(seqs, masks)
@@ -186,7 +191,7 @@ def run(trace_path, output_path, *, target_dir, layer_ids, engine: dict, max_len
                 "target_fingerprint": fingerprint(target_dir)}
     with open_engine(target_dir, EngineSettings.from_config(engine)) as eng:
         digest = extract(eng, output_path, seqs, small, metadata, layer_ids, hidden=info.hidden_size,
-                         chunk_size=chunk_size, units=units, progress=progress)
+                         chunk_size=chunk_size, units=units, progress=progress, dtype=dtype)
     write_record(record_path or record_path_of(output_path), output_path, digest=digest, tensors=small,
                  metadata=metadata)
     units.finish(-(-len(seqs) // chunk_size))
@@ -196,7 +201,7 @@ def manifest(shard_paths: dict[str, list[str]], record_paths: dict[str, list[str
              engine: str) -> None:
     """Gather the records the extraction jobs wrote with their shards (checksums, counts); never re-hash a shard:
     the manifest must hold what extraction wrote, not what is on disk now."""
-    shards, tokens, layer_ids = [], {}, None
+    shards, tokens, layer_ids, dtype = [], {}, None, None
     for split, paths in shard_paths.items():
         tokens[split] = 0
         records = record_paths[split]
@@ -212,7 +217,12 @@ def manifest(shard_paths: dict[str, list[str]], record_paths: dict[str, list[str
             if "sha256_tree" not in record:
                 raise ValueError(f"{record_path}: no sha256_tree (an earlier eaglepipe recorded a plain sha256); "
                                  f"delete {path} and {record_path} so its hidden_states job re-runs")
-            layer_ids = record["layer_ids"]
+            shard_dtype = record.get("dtype", "bfloat16")  # records from before fp8 shards: bf16
+            if dtype is not None and shard_dtype != dtype:
+                raise ValueError(f"{path}: holds {shard_dtype} states but the shards before it hold {dtype}: one "
+                                 "run takes shards of one hidden_states.dtype; delete the shards (and records) of "
+                                 "the other dtype so their hidden_states jobs re-run")
+            layer_ids, dtype = record["layer_ids"], shard_dtype
             tokens[split] += record["tokens"]
             shards.append({"path": str(path), "split": split, "samples": record["samples"],
                            "tokens": record["tokens"], "loss_tokens": record["loss_tokens"],
@@ -220,6 +230,6 @@ def manifest(shard_paths: dict[str, list[str]], record_paths: dict[str, list[str
     info = read_info(target_dir)
     write_json(output_path, {
         "layer_ids": layer_ids, "layer_convention": LAYER_CONVENTION, "hidden_size": info.hidden_size,
-        "dtype": "bfloat16", "target_fingerprint": fingerprint(target_dir), "engine": engine,
+        "dtype": dtype or "bfloat16", "target_fingerprint": fingerprint(target_dir), "engine": engine,
         "tokens": tokens, "shards": shards,
     })

@@ -155,7 +155,7 @@ def hidden_states(smk) -> None:
         smk.input.target,
         output_path=smk.output.shard,
         needed_bytes=preflight.hidden_states_estimate(smk.input.traces, h["max_length"],
-                                                      read_info(smk.input.target).hidden_size),
+                                                      read_info(smk.input.target).hidden_size, dtype=h["dtype"]),
         stage_outputs=smk.params.stage,
         what="hidden-state shards",
         gpus=smk.resources.gpu,
@@ -169,6 +169,7 @@ def hidden_states(smk) -> None:
         engine=_engine(smk),
         max_length=h["max_length"],
         chunk_size=h["chunk_size"],
+        dtype=h["dtype"],
         progress_dir=smk.params.progress,
         record_path=smk.output.record,
     )

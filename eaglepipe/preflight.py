@@ -18,6 +18,7 @@ from pathlib import Path
 
 from . import reasoning
 from .config import SCHEMA, ConfigError, validate
+from .formats import bytes_per_token
 from .target import TargetInfo, _safetensors_files, read_info, resolve_layer_ids
 from . import estimate
 
@@ -132,9 +133,9 @@ def check_disk(folder, needed_bytes: int, *, reserve_bytes: int = 0, free_bytes:
     log.info("preflight: %s need about %.2f GiB in %s, %.2f GiB free", what, needed_bytes / GIB, folder, free / GIB)
 
 
-def hidden_state_bytes(tokens: int, num_aux: int, hidden_size: int) -> int:
-    """Bytes of a hidden-state shard: bf16 aux and final states plus token ids and loss mask per token."""
-    return tokens * ((num_aux + 1) * hidden_size * 2 + 4 + 1)
+def hidden_state_bytes(tokens: int, num_aux: int, hidden_size: int, dtype: str = "bfloat16") -> int:
+    """Bytes of a hidden-state shard of `tokens` tokens, its states in `dtype` (formats.bytes_per_token)."""
+    return tokens * bytes_per_token(dtype, num_aux, hidden_size)
 
 
 def trace_bytes(prompts: int, prompt_tokens: int, max_new_tokens: int) -> int:
@@ -150,13 +151,14 @@ def traces_estimate(prompts_path, shard: int, num_shards: int, max_new_tokens: i
     return trace_bytes(len(rows), sum(len(r["messages"]) for r in rows) // 4 // max(len(rows), 1), max_new_tokens)
 
 
-def hidden_states_estimate(trace_path, max_length: int, hidden_size: int, num_aux: int = 3) -> int:
+def hidden_states_estimate(trace_path, max_length: int, hidden_size: int, num_aux: int = 3,
+                           dtype: str = "bfloat16") -> int:
     """Bytes of one hidden-state shard, from the tokens of its trace shard."""
     from .formats import TRACE_SCHEMA, read_table
     from .hidden_states import sequences_of
 
     _, seqs, _ = sequences_of(read_table(trace_path, TRACE_SCHEMA), max_length)
-    return hidden_state_bytes(sum(map(len, seqs)), num_aux, hidden_size)
+    return hidden_state_bytes(sum(map(len, seqs)), num_aux, hidden_size, dtype)
 
 
 def stage_bytes(job_bytes: int, stage_outputs: list[str], resume_copy: bool = True) -> int:

@@ -6,8 +6,10 @@ shard), so the safetensors header and the small tensors are written first and ea
 The bytes equal what `formats.write_hidden_shard` (safetensors' own `save_file`) writes for the same tensors
 (tests/test_shard_writer.py compares them); nothing is held in memory beyond the batches in flight.
 
-File layout (safetensors orders tensors by dtype size, then name): 8-byte header length, JSON header, then
-cu_seqlens (I64), input_ids (I32), aux (BF16 [T, n_aux, H]), final (BF16 [T, H]), loss_mask (U8).
+File layout (safetensors orders tensors by dtype, largest first, then name): 8-byte header length, JSON header, then
+cu_seqlens (I64), input_ids (I32), aux (BF16 [T, n_aux, H]), final (BF16 [T, H]), loss_mask (U8); an fp8 shard
+(dtype="float8_e4m3fn", formats.py) has aux_scale (F32 [T, n_aux]) and final_scale (F32 [T]) after cu_seqlens, and
+F8_E4M3 aux and final. A row's values and scales come in together and are written at their offsets alike.
 
 Three threads besides the caller's:
 - the writer pwrites row runs at their offsets, then calls the batch's release callback (the engine may then reuse
@@ -43,16 +45,18 @@ from pathlib import Path
 
 import torch
 
-from .formats import TREE_BLOCK, tree_of
+from .formats import TREE_BLOCK, shard_keys, tree_of
 
-# safetensors orders tensors by dtype size (largest first), then by name; these are the shard's (formats.SHARD_KEYS).
-_DTYPES = {torch.int64: ("I64", 8), torch.int32: ("I32", 4), torch.bfloat16: ("BF16", 2), torch.uint8: ("U8", 1)}
+# The shard's dtypes (formats.shard_keys) in safetensors' order of tensors: its dtype enum, largest first; then names.
+_DTYPES = {torch.int64: ("I64", 8), torch.float32: ("F32", 4), torch.int32: ("I32", 4), torch.bfloat16: ("BF16", 2),
+           torch.float8_e4m3fn: ("F8_E4M3", 1), torch.uint8: ("U8", 1)}
+_RANK = {dtype: rank for rank, dtype in enumerate(_DTYPES)}
 HASH_THREADS = min(4, os.cpu_count() or 1)
 
 
 def header(specs: dict[str, tuple[torch.dtype, list[int]]], metadata: dict[str, str]) -> tuple[bytes, dict]:
     """The safetensors header for tensors of these dtypes and shapes, and each tensor's byte range after it."""
-    order = sorted(specs, key=lambda k: (-_DTYPES[specs[k][0]][1], k))
+    order = sorted(specs, key=lambda k: (_RANK[specs[k][0]], k))
     entries, offsets, at = {"__metadata__": metadata}, {}, 0
     for name in order:
         dtype, shape = specs[name]
@@ -77,21 +81,25 @@ def _nothing() -> None:
 
 class StreamingShard:
     """with StreamingShard(path, small tensors, n_aux, hidden, metadata) as shard: shard.write(start, aux, final) ...;
-    digest = shard.close() (formats.sha256_tree of the file)."""
+    digest = shard.close() (formats.sha256_tree of the file). dtype: the states' (formats.STATE_DTYPES)."""
 
     def __init__(self, path, *, input_ids: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
-                 n_aux: int, hidden: int, metadata: dict, queue_depth: int = 4,
+                 n_aux: int, hidden: int, metadata: dict, dtype: str = "bfloat16", queue_depth: int = 4,
                  keep: list[tuple[int, int]] = (), keep_partial: bool = False, flush_bytes: int = 1 << 28):
         self.path = Path(path)
         self.tokens = int(input_ids.numel())
         self.n_aux, self.hidden = n_aux, hidden
+        self.keys = shard_keys(dtype)
+        rows = {"aux": [n_aux, hidden], "final": [hidden], "aux_scale": [n_aux], "final_scale": []}
+        self.row_shapes = {k: v for k, v in rows.items() if k in self.keys}  # the tensors written row by row
         specs = {"input_ids": (torch.int32, [self.tokens]), "loss_mask": (torch.uint8, [self.tokens]),
                  "cu_seqlens": (torch.int64, [int(cu_seqlens.numel())]),
-                 "aux": (torch.bfloat16, [self.tokens, n_aux, hidden]), "final": (torch.bfloat16, [self.tokens, hidden])}
+                 **{k: (self.keys[k], [self.tokens, *shape]) for k, shape in self.row_shapes.items()}}
         head, self.offsets = header(specs, {"eaglepipe": json.dumps(metadata, sort_keys=True)})
         self.base = len(head)
         self.end = self.base + max(b for _, b in self.offsets.values())
-        self.row_bytes = {"aux": n_aux * hidden * 2, "final": hidden * 2}
+        self.row_bytes = {k: self.keys[k].itemsize * int(torch.Size(shape).numel())
+                          for k, shape in self.row_shapes.items()}
         self.tmp = self.path.with_name(f".{self.path.name}.partial")
         self.keep_partial = keep_partial
         self.flush_bytes, self.unflushed = flush_bytes, 0
@@ -116,7 +124,7 @@ class StreamingShard:
             self._pwrite(data, self.base + self.offsets[name][0])
         for start, stop in self.kept:
             self._completed([(start, stop)])
-            for name in ("aux", "final"):
+            for name in self.row_bytes:
                 self._written(self.base + self.offsets[name][0] + start * self.row_bytes[name],
                               (stop - start) * self.row_bytes[name])
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_depth)  # back-pressure: capture waits for a slow disk
@@ -186,13 +194,13 @@ class StreamingShard:
                 continue
             try:
                 if self.error is None:
-                    aux, final, runs = payload
+                    tensors, runs = payload
                     for shard_row, row, n in runs:
-                        for name, t in (("aux", aux), ("final", final)):
+                        for name, t in tensors.items():
                             self._pwrite(_bytes(t[row: row + n]),
                                          self.base + self.offsets[name][0] + shard_row * self.row_bytes[name])
                     self._completed([(s, s + n) for s, _, n in runs])
-                    self.unflushed += sum(n for _, _, n in runs) * (self.row_bytes["aux"] + self.row_bytes["final"])
+                    self.unflushed += sum(n for _, _, n in runs) * sum(self.row_bytes.values())
                     if self.unflushed >= self.flush_bytes:  # keep the disk busy: no backlog left for close's fsync
                         self.marks.put(_nothing)
                         self.unflushed = 0
@@ -233,26 +241,31 @@ class StreamingShard:
         if self.error is not None:
             raise OSError(f"writing {self.tmp} failed: {self.error}") from self.error
 
-    def write(self, start: int, aux: torch.Tensor, final: torch.Tensor) -> None:
-        """Rows start .. start + len(aux) - 1 of the shard (bf16, on the host; pinned memory is fine)."""
-        self.write_runs([(start, 0, aux.shape[0])], aux, final)
+    def write(self, start: int, aux: torch.Tensor, final: torch.Tensor, aux_scale=None, final_scale=None) -> None:
+        """Rows start .. start + len(aux) - 1 of the shard (on the host; pinned memory is fine)."""
+        self.write_runs([(start, 0, aux.shape[0])], aux, final, aux_scale=aux_scale, final_scale=final_scale)
 
     def write_runs(self, runs: list[tuple[int, int, int]], aux: torch.Tensor, final: torch.Tensor,
-                   release=None) -> None:
+                   release=None, *, aux_scale: torch.Tensor | None = None,
+                   final_scale: torch.Tensor | None = None) -> None:
         """For each (shard_row, row, n) in runs: rows row .. row + n - 1 of aux [rows, n_aux, H] / final [rows, H]
-        (bf16, on the host) go to shard rows shard_row ... The tensors must stay unchanged until release() is
-        called (from the writer thread, once they are written or the write failed)."""
+        (the shard's dtype, on the host; with fp8 also aux_scale [rows, n_aux] / final_scale [rows] float32) go to
+        shard rows shard_row ... The tensors must stay unchanged until release() is called (from the writer thread,
+        once they are written or the write failed)."""
         self._check()
-        if aux.shape[1:] != (self.n_aux, self.hidden) or final.shape[1:] != (self.hidden,) \
-                or aux.shape[0] != final.shape[0] or aux.dtype != torch.bfloat16 or final.dtype != torch.bfloat16:
-            raise ValueError(f"{self.path}: rows of aux {tuple(aux.shape)} {aux.dtype} / final {tuple(final.shape)} "
-                             f"{final.dtype}, expected [rows, {self.n_aux}, {self.hidden}] / [rows, {self.hidden}] "
-                             "bfloat16")
+        given = {"aux": aux, "final": final, "aux_scale": aux_scale, "final_scale": final_scale}
+        tensors = {k: given[k] for k in self.row_shapes}
+        for key, t in given.items():
+            shape = (aux.shape[0], *self.row_shapes.get(key, ()))
+            if (t is None) != (key not in tensors) or t is not None and (t.shape != shape or t.dtype != self.keys[key]):
+                raise ValueError(f"{self.path}: rows of {key} given as "
+                                 f"{'nothing' if t is None else (tuple(t.shape), t.dtype)}, expected "
+                                 f"{(shape, self.keys[key]) if key in tensors else 'none in this shard'}")
         for shard_row, row, n in runs:
             if shard_row < 0 or shard_row + n > self.tokens or row < 0 or row + n > aux.shape[0]:
                 raise ValueError(f"{self.path}: rows {shard_row}..{shard_row + n} (from {row} of {aux.shape[0]}) "
                                  f"do not fit {self.tokens} tokens")
-        self.jobs.put(("rows", (aux, final, runs), release or _nothing))
+        self.jobs.put(("rows", (tensors, runs), release or _nothing))
 
     def mark(self, callback) -> None:
         """Call callback (from the syncer thread) once every row written before this call is on disk."""

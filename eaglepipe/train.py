@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from . import vocab as vocab_map
 from .batches import collate, plan, read_sequences, sequence_lengths, step_inputs, step_mask, targets
 from .draft import DraftConfig, Eagle3Draft, save_checkpoint
-from .formats import atomic_path
+from .formats import atomic_path, common_dtype
 from .target import load_embeddings, load_lm_head, read_info
 
 log = logging.getLogger(__name__)
@@ -227,6 +227,8 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
     process group must be initialised; every rank returns the same trained model. weights_out: a folder where each
     rank saves its float32 weights as rank-<r>.pt (to compare ranks and runs)."""
     torch.set_num_threads(threads)
+    shard_paths = sorted(map(str, shard_paths))
+    states_dtype = common_dtype(shard_paths)  # mixed bf16 and fp8 shards are refused, the odd shard named
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, set before CUDA starts
     torch.use_deterministic_algorithms(True, warn_only=True)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -247,7 +249,6 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
     params = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer(params, device, lr=settings["lr"], weight_decay=settings["weight_decay"])
 
-    shard_paths = sorted(map(str, shard_paths))
     cus = [sequence_lengths(p) for p in shard_paths]
     batches = schedule(cus, settings)
     total = len(batches)
@@ -265,8 +266,9 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
         step, seen, records, acc_sum = resumed["step"], resumed["seen"], resumed["records"], resumed["acc_sum"]
         log.info("resuming from the checkpoint at step %d of %d in %s", step, total, progress_dir)
     where = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
-    log.info("training: %d epochs, %d steps, %d unroll steps, draft vocab %d, %d process(es), rank %d on %s",
-             settings["epochs"], total, steps, config.draft_vocab_size, world, rank, where)
+    log.info("training: %d epochs, %d steps, %d unroll steps, draft vocab %d, %d process(es), rank %d on %s, "
+             "%s hidden states", settings["epochs"], total, steps, config.draft_vocab_size, world, rank, where,
+             states_dtype)
 
     objective = Objective(model)
     if world > 1:

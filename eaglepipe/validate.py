@@ -1,8 +1,10 @@
 """Validation stage: every hidden-state shard against the manifest and its trace shard, before training reads it.
 
-A shard passes when its sha256_tree (formats.py) equals the one its hidden_states job recorded as it wrote the
-shard (the manifest gathers those records), its tensors have the format's keys, dtypes and shapes, its tokens are exactly the trace rows' tokens (same ids, same order, same truncation), its layer ids and target
-fingerprint are the manifest's, and its hidden states hold no NaN or Inf. validation.json lists each shard's checks.
+A shard passes when its sha256_tree (formats.py) equals the one its hidden_states job recorded as it wrote the shard
+(the manifest gathers those records), its tensors have the format's keys, dtypes and shapes (in the manifest's dtype),
+its tokens are exactly the trace rows' tokens (same ids, same order, same truncation), its layer ids and target
+fingerprint are the manifest's, and its hidden states (and fp8 scales) hold no NaN or Inf. validation.json lists each
+shard's checks.
 Shards are checked in parallel (one thread each, up to the job's threads; hashing and the block-wise NaN scan release
 the GIL), and the states are read through a memory map a block of rows at a time, so a shard of any size needs no
 more memory than a block.
@@ -20,7 +22,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .formats import STATE_KEYS, read_hidden_shard, read_table, sha256_tree, write_json
+from .formats import (
+    STATE_KEYS,
+    read_hidden_shard,
+    read_table,
+    sha256_tree,
+    shard_dtype,
+    write_json,
+)
 from .hidden_states import sequences_of
 
 log = logging.getLogger(__name__)
@@ -80,6 +89,10 @@ def check_shard(entry: dict, manifest: dict, trace_path, max_length: int) -> Non
     if meta.get("layer_ids") != manifest["layer_ids"] or meta.get("target_fingerprint") != manifest["target_fingerprint"]:
         raise ShardError(f"{where}: layer ids {meta.get('layer_ids')} / target {meta.get('target_fingerprint')} "
                          f"differ from the manifest's {manifest['layer_ids']} / {manifest['target_fingerprint']}")
+    dtype = shard_dtype(path)
+    if dtype != manifest.get("dtype", "bfloat16"):
+        raise ShardError(f"{where}: holds {dtype} states but the manifest says {manifest.get('dtype')}; delete "
+                         f"{path} so its hidden_states job re-runs")
     ids, seqs, masks = sequences_of(read_table(trace_path), max_length)
     expected = torch.tensor([t for s in seqs for t in s], dtype=torch.int32)
     if meta.get("ids") != ids or not torch.equal(tensors["input_ids"], expected):
@@ -91,20 +104,29 @@ def check_shard(entry: dict, manifest: dict, trace_path, max_length: int) -> Non
 
 
 def check_finite(path, where: str, block_rows: int = FINITE_BLOCK_ROWS) -> None:
-    """No NaN or Inf in the shard's states, read a block of rows at a time through a memory map."""
+    """No NaN or Inf in the shard's states (and fp8 scales), read a block of rows at a time through a memory map."""
     with safe_open(str(path), framework="pt") as f:
-        for key in STATE_KEYS:
+        scales = set(f.keys()) & {"aux_scale", "final_scale"}  # fp8 shards
+        for key in [*STATE_KEYS, *sorted(scales)]:
             view = f.get_slice(key)
             rows = view.get_shape()[0]
             bad_total, first = 0, None
             for start in range(0, rows, block_rows):
-                bad = ~torch.isfinite(view[start:start + block_rows])
+                bad = non_finite(view[start:start + block_rows])
                 count = int(bad.sum())
                 if count and first is None:
                     first = start + int(bad.nonzero()[0][0])
                 bad_total += count
             if bad_total:
                 raise ShardError(f"{where}: {bad_total} NaN/Inf values in '{key}', first at token {first}")
+
+
+def non_finite(block: torch.Tensor) -> torch.Tensor:
+    """Where a block of states is NaN or Inf; e4m3fn has no Inf and one NaN code per sign (all bits but the sign set),
+    so fp8 blocks are tested on their bytes, without a float copy."""
+    if block.dtype == torch.float8_e4m3fn:
+        return (block.view(torch.uint8) & 0x7F) == 0x7F
+    return ~torch.isfinite(block)
 
 
 def run(manifest_path, trace_paths: dict[str, str], output_path, *, max_length: int, threads: int = 1) -> None:

@@ -11,7 +11,8 @@ def test_bench_runs_both_paths_on_cpu_and_reports_limits(tmp_path, tiny_target):
     result = bench_extraction.main(["--target", str(tiny_target), "--device", "cpu", "--dtype", "float32",
                                     "--tokens", "1500", "--shard-tokens", "700", "--chunk-size", "3",
                                     "--max-batch-tokens", "256", "--baseline-batch-tokens", "256",
-                                    "--disk-probe-gb", "0.07", "--out", str(tmp_path / "bench"), "--json", str(out)])
+                                    "--disk-probe-gb", "0.07", "--out", str(tmp_path / "bench"), "--json", str(out),
+                                    "--fp8"])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert result["tokens"] >= 1500 and result["chunk_size"] == 3
     for key in ("fast_tok_s", "naive_tok_s", "compute_limit_tok_s", "disk_limit_tok_s", "share_of_limit",
@@ -27,6 +28,12 @@ def test_bench_runs_both_paths_on_cpu_and_reports_limits(tmp_path, tiny_target):
     assert result["packed_check"]["aux_relative_error"] == result["packed_check"]["final_relative_error"] == 0.0
     assert result["packed_check"]["isolation_error"] == 0.0
     assert set(result["packed_check"]["aux_layer_relative_errors"]) == {str(k) for k in result["layer_ids"]}
+    # --fp8: both shard dtypes extracted in one run, bytes per token from the shards written (headers included)
+    assert result["extract_tok_s_bf16"] == result["fast_tok_s"] and result["extract_tok_s_fp8"] > 0
+    per_bf16, per_fp8 = result["bytes_per_token_bf16"], result["bytes_per_token_fp8"]
+    assert result["bytes_per_token"] == 4 * 128 * 2 + 5 < per_bf16  # the formula leaves headers aside
+    assert per_bf16 / 2 < per_fp8 < per_bf16 / 2 + 4 * 4 + 2.5 + 2  # + the scales, half the id and mask, headers
+    assert not list((tmp_path / "bench").glob("fp8*"))
 
 
 def test_matmul_params_leave_out_the_embedding_and_the_head():

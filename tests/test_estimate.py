@@ -37,7 +37,7 @@ def test_production_config_dry_runs_without_checkpoint_and_prints_the_plan(tmp_p
     assert all("gpu=" not in b for rule in ("vocab", "manifest", "prompts") for b in blocks[rule])
     info, p, g = KIMI["target"]["info"], KIMI["prompts"], KIMI["generation"]
     tokens = p["max_prompts"] * min(p["max_prompt_tokens"] + g["max_new_tokens"], KIMI["hidden_states"]["max_length"])
-    total = tokens * (len(KIMI["hidden_states"]["aux_layer_ids"]) + 1) * info["hidden_size"] * 2
+    total = tokens * ((len(KIMI["hidden_states"]["aux_layer_ids"]) + 1) * info["hidden_size"] * 2 + 4 + 1)
     assert f"plan: target 61 layers, hidden 7168, vocab 163840, aux layer ids [2, 30, 58]" in out
     assert f"plan: prompts {p['max_prompts']}; tokens {tokens:,}" in out
     assert f"({total:,} bytes)" in out
@@ -75,8 +75,20 @@ def test_plan_takes_tokens_from_trace_stats_when_present(tmp_path):
                                  "eval": {"prompt_tokens": 100, "output_tokens": 300}}))
     plan = estimate.plan(config, stats_path=stats)
     assert plan["tokens"] == 4400 and plan["tokens_from"] == str(stats)
-    assert plan["hidden_state_bytes"] == 4400 * 4 * 7168 * 2
+    assert plan["hidden_state_bytes"] == 4400 * (4 * 7168 * 2 + 5)  # bf16 states, int32 id, uint8 mask
     cli = subprocess.run([sys.executable, "-m", "eaglepipe.estimate", "--json", "--configfile",
                           str(REPO / "config/kimi-k2.5.yaml")], capture_output=True, text=True, cwd=tmp_path)
     assert cli.returncode == 0, cli.stderr
-    assert json.loads(cli.stdout)["hidden_state_bytes_per_token"] == 4 * 7168 * 2
+    assert json.loads(cli.stdout)["hidden_state_bytes_per_token"] == 4 * 7168 * 2 + 5
+
+
+def test_plan_counts_the_bytes_of_fp8_shards(tmp_path):
+    config = validate({**json.loads(json.dumps(KIMI)), "hidden_states": {**KIMI["hidden_states"],
+                                                                          "dtype": "float8_e4m3fn"}})
+    stats = tmp_path / "stats.json"
+    stats.write_text(json.dumps({"train": {"prompt_tokens": 1000, "output_tokens": 3000}}))
+    plan = estimate.plan(config, stats_path=stats)
+    # one byte per value, a float32 scale per layer row (3 aux + final), the id and the mask
+    assert plan["hidden_state_bytes_per_token"] == 4 * 7168 + 4 * 4 + 5
+    assert plan["hidden_state_bytes"] == 4000 * (4 * 7168 + 21)
+    assert "in float8_e4m3fn" in estimate.format_plan(plan)

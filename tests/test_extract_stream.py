@@ -51,9 +51,9 @@ class CrashingEngine:
     def __init__(self, eng, after=None):
         self.eng, self.after, self.asked = eng, after, []
 
-    def capture_rows(self, sequences, layer_ids, groups=None):
+    def capture_rows(self, sequences, layer_ids, groups=None, dtype="bfloat16"):
         self.asked.append(len(sequences))
-        with contextlib.closing(self.eng.capture_rows(sequences, layer_ids, groups)) as batches:
+        with contextlib.closing(self.eng.capture_rows(sequences, layer_ids, groups, dtype)) as batches:
             for k, rows in enumerate(batches):
                 if k == self.after:
                     rows.release()
@@ -155,11 +155,11 @@ def test_capture_rows_keeps_groups_apart_and_equals_capture(tiny_target):
 
 def test_ring_slots_are_reused_only_after_release():
     ring = _Ring(2, rows=5, n_aux=3, hidden=4, pin=False)
-    a, _, release_a = ring.take()
-    b, _, _ = ring.take()
+    (a, *_), release_a = ring.take()
+    (b, *_), _ = ring.take()
     assert a.data_ptr() != b.data_ptr()
     release_a()
-    again, _, _ = ring.take()
+    (again, *_), _ = ring.take()
     assert again.data_ptr() == a.data_ptr()  # allocated once, handed out in turn
     with pytest.raises(RuntimeError, match="release"):
         ring.take(patience=0.05)  # b was never released

@@ -16,7 +16,8 @@ def test_breakdown_measures_every_setting_and_leaves_no_shards(tmp_path, tiny_ta
         "--out", str(tmp_path / "disk"), "--memory-out", str(tmp_path / "memory"), "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert result["tokens"] >= 1200 and result["sequences"] > 1
-    assert result["bytes_per_token"] == 4 * 128 * 2  # 3 aux layers of the 8-layer target + the final state, bf16
+    # 3 aux layers of the 8-layer target + the final state in bf16, the token id and the loss mask
+    assert result["bytes_per_token"] == 4 * 128 * 2 + 4 + 1
     assert [(r["max_batch_tokens"], r["chunk_size"]) for r in result["runs"]] == [(256, 3), (512, 8)]
     params = result["runs"][0]["forward_tflops"] * 1e12 / (2 * result["runs"][0]["forward_tok_s"])
     for run in result["runs"]:

@@ -96,6 +96,8 @@ def test_stage_estimate_counts_unwritten_shards_and_resume_units(tmp_path):
     assert preflight.stage_bytes(100, outputs, resume_copy=False) == 100 * 3
     # tokens x (3 aux + final) x hidden x 2 bytes, plus the int32 id and uint8 mask per token
     assert preflight.hidden_state_bytes(1000, 3, 7168) == 1000 * (4 * 7168 * 2 + 5)
+    # fp8: one byte per value and a float32 scale per row of each of the 4 layers
+    assert preflight.hidden_state_bytes(1000, 3, 7168, "float8_e4m3fn") == 1000 * (4 * 7168 + 4 * 4 + 5)
 
 
 def test_disk_check_fails_the_job_before_the_engine_loads(tmp_path, tiny_target):

@@ -3,7 +3,8 @@
 An engine is a context manager (start on enter; processes and memory released on exit, success or failure) with:
     generate(prompts, sampling) -> one Generation per prompt (failures reported per item, never raised for all)
     capture(sequences, layer_ids) -> one Capture per sequence, ids in "input of layer k" numbering
-    capture_rows(sequences, layer_ids, groups) -> Rows of whole batches, for a stage that writes them out as they come
+    capture_rows(sequences, layer_ids, groups, dtype) -> Rows of whole batches in a shard's dtype (formats.encode), for
+        a stage that writes them out as they come
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import defaults
+from ..formats import encode
 
 
 @dataclass(frozen=True)
@@ -45,13 +47,15 @@ def _nothing() -> None:
 @dataclass
 class Rows:
     """The captured rows of one batch: the sequences `indices` (into the list given to capture_rows), their tokens
-    one after another in that order (aux [rows, n_aux, H], final [rows, H], bf16 on the host). The tensors may be
-    views into a buffer the engine reuses: call release() once done with them (from any thread); until then the
-    engine may wait for the buffer."""
+    one after another in that order (aux [rows, n_aux, H], final [rows, H] on the host, in the dtype asked for; with
+    fp8 their scales aux_scale [rows, n_aux], final_scale [rows]). The tensors may be views into a buffer the engine
+    reuses: call release() once done with them (from any thread); until then the engine may wait for the buffer."""
     indices: list[int]
     aux: torch.Tensor
     final: torch.Tensor
     release: Callable[[], None] = _nothing
+    aux_scale: torch.Tensor | None = None
+    final_scale: torch.Tensor | None = None
 
 
 def group_ranges(count: int, groups: list[int] | None) -> list[range]:
@@ -110,12 +114,15 @@ class Engine:
     def capture(self, sequences: list[list[int]], layer_ids: list[int]) -> list[Capture]:
         raise NotImplementedError
 
-    def capture_rows(self, sequences: list[list[int]], layer_ids: list[int],
-                     groups: list[int] | None = None) -> Iterator[Rows]:
-        """Rows of every sequence, batch by batch. groups: sizes of consecutive groups of sequences that batches never
-        mix (a stage's resume chunks); groups come out in order, each complete before the next begins. Every
-        sequence is in exactly one Rows. This default calls capture() once per group."""
+    def capture_rows(self, sequences: list[list[int]], layer_ids: list[int], groups: list[int] | None = None,
+                     dtype: str = "bfloat16") -> Iterator[Rows]:
+        """Rows of every sequence, batch by batch, in the shard dtype `dtype`. groups: sizes of consecutive groups of
+        sequences that batches never mix (a stage's resume chunks); groups come out in order, each complete before
+        the next begins. Every sequence is in exactly one Rows. This default calls capture() once per group and
+        quantizes on the host (where capture() leaves the states)."""
         for group in group_ranges(len(sequences), groups):
             caps = self.capture([sequences[i] for i in group], layer_ids)
-            yield Rows(list(group), torch.cat([c.aux for c in caps]), torch.cat([c.final for c in caps]))
+            aux, aux_scale = encode(torch.cat([c.aux for c in caps]), dtype)
+            final, final_scale = encode(torch.cat([c.final for c in caps]), dtype)
+            yield Rows(list(group), aux, final, aux_scale=aux_scale, final_scale=final_scale)
 

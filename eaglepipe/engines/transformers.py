@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from ..chat import load_tokenizer
+from ..formats import STATE_DTYPES, encode
 from . import fast
 from .base import Capture, Engine, EngineSettings, Generation, Rows, Sampling, group_ranges
 
@@ -221,14 +222,15 @@ class TransformersEngine(Engine):
         return results
 
     @torch.inference_mode()
-    def capture_rows(self, sequences: list[list[int]], layer_ids: list[int],
-                     groups: list[int] | None = None) -> Iterator[Rows]:
+    def capture_rows(self, sequences: list[list[int]], layer_ids: list[int], groups: list[int] | None = None,
+                     dtype: str = "bfloat16") -> Iterator[Rows]:
         """The fast path: packed batches (consecutive sequences of a group, one after another, up to
-        engine.max_batch_tokens tokens: no padding, and each batch is one run of shard rows), copied without blocking
-        into a ring of host buffers (pinned on CUDA) allocated once; a batch is handed out once its copy is done,
-        while the device runs the next one."""
+        engine.max_batch_tokens tokens: no padding, and each batch is one run of shard rows), encoded in the shard's
+        dtype on the device (fp8: half the bytes to copy), copied without blocking into a ring of host buffers
+        (pinned on CUDA) allocated once; a batch is handed out once its copy is done, while the device runs the next
+        one."""
         if self.fast is None:
-            yield from super().capture_rows(sequences, layer_ids, groups)
+            yield from super().capture_rows(sequences, layer_ids, groups, dtype)
             return
         plan = [batch for group in group_ranges(len(sequences), groups) for batch in self._packed(sequences, group)]
         if not plan:
@@ -237,29 +239,31 @@ class TransformersEngine(Engine):
         most = max(sum(len(sequences[i]) for i in batch) for batch in plan)
         hidden = self.model.config.hidden_size
         if self._ring_busy:  # a capture inside another's loop: its own buffers, or the two would wait on each other
-            ring = _Ring(RING_DEPTH, most, len(layer_ids), hidden, pin)
+            ring = _Ring(RING_DEPTH, most, len(layer_ids), hidden, pin, dtype)
         else:
-            if self._ring is None or not self._ring.fits(most, len(layer_ids), hidden):
+            if self._ring is None or not self._ring.fits(most, len(layer_ids), hidden, dtype):
                 self._ring = None  # buffers still held by a consumer stay alive until it lets go of them
-                self._ring = _Ring(RING_DEPTH, most, len(layer_ids), hidden, pin)
+                self._ring = _Ring(RING_DEPTH, most, len(layer_ids), hidden, pin, dtype)
             ring, self._ring_busy = self._ring, True
         pending = taken = None
         try:
             for batch in plan:
-                aux_buf, final_buf, release = ring.take()
-                taken = (batch, aux_buf, final_buf, release, _Done())  # released below if the forward fails
+                bufs, release = ring.take()
+                taken = (batch, bufs, release, _Done())  # released below if the forward fails
                 ids = torch.tensor([t for i in batch for t in sequences[i]], dtype=torch.long)
                 # non_blocking from pageable memory: staged at once, without waiting for the batch still running
                 aux, final = self.fast.hidden_states(ids.to(self.device, non_blocking=True),
                                                      [len(sequences[i]) for i in batch], layer_ids)
                 n = ids.numel()
-                aux_buf[:n].copy_(aux.to(torch.bfloat16), non_blocking=pin)
-                final_buf[:n].copy_(final.to(torch.bfloat16), non_blocking=pin)
+                encoded = (*encode(aux, dtype), *encode(final, dtype))  # aux, its scale, final, its scale
+                for buf, t in zip(bufs, encoded):
+                    if buf is not None:
+                        buf[:n].copy_(t, non_blocking=pin)
                 done = torch.cuda.Event() if pin else _Done()
                 if pin:
                     done.record()
                 taken = None
-                previous, pending = pending, (batch, aux_buf[:n], final_buf[:n], release, done)
+                previous, pending = pending, (batch, [b if b is None else b[:n] for b in bufs], release, done)
                 if previous is not None:
                     yield _finish(*previous)  # the consumer's from here on: it releases it
             last, pending = pending, None
@@ -267,8 +271,8 @@ class TransformersEngine(Engine):
         finally:  # closed early or failed: buffers not handed out go back to the ring
             for held in (taken, pending):
                 if held is not None:
-                    held[4].synchronize()  # no copy may still be writing into it
-                    held[3]()
+                    held[3].synchronize()  # no copy may still be writing into it
+                    held[2]()
             if ring is self._ring:
                 self._ring_busy = False
 
@@ -276,9 +280,10 @@ class TransformersEngine(Engine):
 RING_DEPTH = 3  # host buffers: one being filled, one handed out, one still being written by the consumer
 
 
-def _finish(batch, aux, final, release, done) -> Rows:
+def _finish(batch, bufs, release, done) -> Rows:
     done.synchronize()
-    return Rows(batch, aux, final, release)
+    aux, aux_scale, final, final_scale = bufs
+    return Rows(batch, aux, final, release, aux_scale=aux_scale, final_scale=final_scale)
 
 
 class _Ring:
@@ -286,16 +291,16 @@ class _Ring:
     reused in turn: a slot is handed out again only after the consumer released the Rows that used it. Each slot is
     allocated when first taken, so all but the first are pinned while the device runs the first batches."""
 
-    def __init__(self, depth: int, rows: int, n_aux: int, hidden: int, pin: bool):
-        self.shape, self.pin = (rows, n_aux, hidden), pin
+    def __init__(self, depth: int, rows: int, n_aux: int, hidden: int, pin: bool, dtype: str = "bfloat16"):
+        self.shape, self.pin, self.dtype = (rows, n_aux, hidden), pin, dtype
         self.slots = [None] * depth
         self.free = [threading.Event() for _ in range(depth)]
         for free in self.free:
             free.set()
         self.next = 0
 
-    def fits(self, rows: int, n_aux: int, hidden: int) -> bool:
-        return rows <= self.shape[0] and (n_aux, hidden) == self.shape[1:]
+    def fits(self, rows: int, n_aux: int, hidden: int, dtype: str = "bfloat16") -> bool:
+        return rows <= self.shape[0] and (n_aux, hidden) == self.shape[1:] and dtype == self.dtype
 
     def take(self, patience: float = 3600.0):
         at = self.next
@@ -307,9 +312,15 @@ class _Ring:
         free.clear()
         if self.slots[at] is None:
             rows, n_aux, hidden = self.shape
-            self.slots[at] = (torch.empty(rows, n_aux, hidden, dtype=torch.bfloat16, pin_memory=self.pin),
-                              torch.empty(rows, hidden, dtype=torch.bfloat16, pin_memory=self.pin))
-        return *self.slots[at], free.set
+            values, scaled = STATE_DTYPES[self.dtype], self.dtype != "bfloat16"
+
+            def buffer(shape, dtype=values):
+                return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+
+            # aux, its scales, final, its scales (formats.encode's order; no scales for bf16)
+            self.slots[at] = (buffer((rows, n_aux, hidden)), buffer((rows, n_aux), torch.float32) if scaled else None,
+                              buffer((rows, hidden)), buffer((rows,), torch.float32) if scaled else None)
+        return self.slots[at], free.set
 
 
 class _Done:

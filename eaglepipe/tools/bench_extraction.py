@@ -21,7 +21,10 @@ alone (capture_rows with no writer, on the baseline's sequences; again without t
 `forward_unfused_tok_s`, and with the elementwise steps eager where they compile: `forward_eager_tok_s`), the shard
 writer alone (one shard of host rows, no GPU: `writer_tok_s`) and, before anything is timed, the packed kernel
 against per-sequence attention on the first 8 sequences (`packed_check`: changing the first sequence must leave the
-others' states as they are, else the run stops).
+others' states as they are, else the run stops). With --fp8, the fast path runs again on the same sequences writing
+fp8 shards (hidden_states.dtype float8_e4m3fn: quantized on the device before the copy to host), so bf16 and fp8
+extraction rates and the shards' bytes per token come from one run: `extract_tok_s_bf16`, `extract_tok_s_fp8`,
+`bytes_per_token_bf16`, `bytes_per_token_fp8` (bytes on disk over tokens, headers included).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from pathlib import Path
 import torch
 
 from ..engines.base import EngineSettings
+from ..formats import bytes_per_token as shard_bytes_per_token
 from ..formats import write_hidden_shard
 from ..hidden_states import extract, shard_tensors
 from ..shard_writer import HASH_THREADS, StreamingShard
@@ -132,6 +136,11 @@ def writer_tok_s(out: Path, tokens: int, n_aux: int, hidden: int, batch_tokens: 
     return tokens / seconds
 
 
+def shard_bytes(folder: Path) -> int:
+    """Bytes of the shards in a folder."""
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
 def packed_check(engine, seqs, layer_ids) -> dict:
     """The packed capture's kernel (varlen flash on CUDA) on the first sequences, two ways:
     - isolation: the same batch with the first sequence's tokens changed (same length): every later sequence's states
@@ -168,10 +177,12 @@ def packed_check(engine, seqs, layer_ids) -> dict:
             "aux_layer_relative_errors": {str(k): rel(got[0][:, i], ref[0][:, i]) for i, k in enumerate(layer_ids)}}
 
 
-def run_path(engine, seqs, layer_ids, out: Path, shard_tokens: int, chunk_size: int, streaming: bool) -> float:
-    """Capture every sequence and write shards; returns seconds, the last byte on disk (fsync) included.
-    streaming: the stage's own code (hidden_states.extract: capture_rows into StreamingShard, chunk records in a
-    progress folder as the stage keeps them); else the naive path (capture(), torch.cat, save_file, fsync)."""
+def run_path(engine, seqs, layer_ids, out: Path, shard_tokens: int, chunk_size: int, streaming: bool,
+             dtype: str = "bfloat16") -> float:
+    """Capture every sequence and write shards (their states in `dtype`, streaming only); returns seconds, the last
+    byte on disk (fsync) included. streaming: the stage's own code (hidden_states.extract: capture_rows into
+    StreamingShard, chunk records in a progress folder as the stage keeps them); else the naive path (capture(),
+    torch.cat, save_file, fsync)."""
     shards, current, n = [], [], 0
     for s in seqs:
         current.append(s)
@@ -191,7 +202,8 @@ def run_path(engine, seqs, layer_ids, out: Path, shard_tokens: int, chunk_size: 
         meta = {"ids": [str(i) for i in range(len(shard))], "layer_ids": layer_ids}
         if streaming:
             units = Units(out / f".progress-{number}", "bench", f"bench shard {number}")
-            extract(engine, path, shard, small, meta, layer_ids, hidden=hidden, chunk_size=chunk_size, units=units)
+            extract(engine, path, shard, small, meta, layer_ids, hidden=hidden, chunk_size=chunk_size, units=units,
+                    dtype=dtype)
             units.finish(-(-len(shard) // chunk_size))
         else:
             caps = engine.capture(shard, layer_ids)
@@ -221,6 +233,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--baseline-batch-tokens", type=int, default=8192, help="padded tokens per naive batch")
     parser.add_argument("--out", default="/tmp/eaglepipe-bench-extraction")
     parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--fp8", action="store_true",
+                        help="also extract fp8 shards (hidden_states.dtype float8_e4m3fn) on the same sequences")
     parser.add_argument("--json")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -241,7 +255,7 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True)
     peak = matmul_peak_tflops(device)
     disk = disk_write_gb_s(out, args.disk_probe_gb)
-    bytes_per_token = (len(layer_ids) + 1) * config.hidden_size * 2
+    bytes_per_token = shard_bytes_per_token("bfloat16", len(layer_ids), config.hidden_size)
     compute_limit = peak * 1e12 / (2 * params)
     disk_limit = disk * 1e9 / bytes_per_token
     tokens = sum(lengths)
@@ -265,7 +279,16 @@ def main(argv=None) -> dict:
                          "apart; not benchmarking it")
     fast.capture(seqs[:4], layer_ids)  # warm (kernels; the host ring is allocated in the timed run, once)
     fast_s = run_path(fast, seqs, layer_ids, out / "fast", args.shard_tokens, chunk_size, streaming=True)
+    on_disk = {"bfloat16": shard_bytes(out / "fast")}
     shutil.rmtree(out / "fast", ignore_errors=True)
+    fp8_s = None
+    if args.fp8:
+        for rows in fast.capture_rows(seqs[:4], layer_ids, dtype="float8_e4m3fn"):  # warm, as the bf16 run was
+            rows.release()
+        fp8_s = run_path(fast, seqs, layer_ids, out / "fp8", args.shard_tokens, chunk_size, streaming=True,
+                         dtype="float8_e4m3fn")
+        on_disk["float8_e4m3fn"] = shard_bytes(out / "fp8")
+        shutil.rmtree(out / "fp8", ignore_errors=True)
     result = {
         "device": describe(device), "commit": commit(),
         "command": "python -m eaglepipe.tools.bench_extraction " + " ".join(argv or sys.argv[1:]),
@@ -276,6 +299,13 @@ def main(argv=None) -> dict:
         "limit_tok_s": min(compute_limit, disk_limit), "matmul_params": params, "packed_check": check,
         "max_batch_tokens": args.max_batch_tokens, "writer_tok_s": writer, "sha256_gb_s": sha,
     }
+    if fp8_s is not None:
+        result.update(extract_tok_s_bf16=tokens / fast_s, extract_tok_s_fp8=tokens / fp8_s,
+                      bytes_per_token_bf16=on_disk["bfloat16"] / tokens,
+                      bytes_per_token_fp8=on_disk["float8_e4m3fn"] / tokens)
+        print(f"fp8 shards: {result['extract_tok_s_fp8']:,.0f} tok/s against bf16's "
+              f"{result['extract_tok_s_bf16']:,.0f}; {result['bytes_per_token_fp8']:,.1f} bytes per token against "
+              f"{result['bytes_per_token_bf16']:,.1f} ({result['bytes_per_token_fp8'] / result['bytes_per_token_bf16']:.3f}x)")
     result["share_of_limit"] = result["fast_tok_s"] / result["limit_tok_s"]
     result["share_of_compute_limit"] = result["fast_tok_s"] / compute_limit
     result["share_of_disk_limit"] = result["fast_tok_s"] / disk_limit

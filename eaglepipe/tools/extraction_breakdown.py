@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..formats import bytes_per_token as shard_bytes_per_token
 from .bench_extraction import draw_lengths, engine_on, forward_tok_s, load_model, matmul_params, run_path
 from .limits import commit, describe, disk_write_gb_s, matmul_peak_tflops
 
@@ -64,7 +65,7 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True)
     peak = matmul_peak_tflops(device)
     disk = disk_write_gb_s(out, args.disk_probe_gb)
-    bytes_per_token = (len(layer_ids) + 1) * config.hidden_size * 2
+    bytes_per_token = shard_bytes_per_token("bfloat16", len(layer_ids), config.hidden_size)
     result = {"device": describe(device), "commit": commit(),
               "command": "python -m eaglepipe.tools.extraction_breakdown " + " ".join(argv or sys.argv[1:]),
               "target": args.preset or str(args.target), "tokens": tokens, "sequences": len(seqs),
