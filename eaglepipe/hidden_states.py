@@ -22,6 +22,7 @@ from .formats import (
     TRACE_SCHEMA,
     atomic_path,
     read_table,
+    rebuild,
     sha256_file,
     sha256_tree,
     write_hidden_shard,
@@ -197,6 +198,7 @@ def manifest(shard_paths: dict[str, list[str]], record_paths: dict[str, list[str
     """Gather the records the extraction jobs wrote with their shards (checksums, counts); never re-hash a shard:
     the manifest must hold what extraction wrote, not what is on disk now."""
     shards, tokens, layer_ids = [], {}, None
+    target = fingerprint(target_dir)
     for split, paths in shard_paths.items():
         tokens[split] = 0
         records = record_paths[split]
@@ -206,12 +208,16 @@ def manifest(shard_paths: dict[str, list[str]], record_paths: dict[str, list[str
             record = json.loads(Path(record_path).read_text())
             if record["shard"] != Path(path).name:
                 raise ValueError(f"{record_path}: records shard {record['shard']!r}, not {Path(path).name!r}; "
-                                 f"delete {path} and {record_path} so its hidden_states job re-runs")
+                                 f"re-extract it with {rebuild(path)}")
             if layer_ids is not None and record["layer_ids"] != layer_ids:
                 raise ValueError(f"{path}: layer ids {record['layer_ids']} differ from other shards' {layer_ids}")
             if "sha256_tree" not in record:
                 raise ValueError(f"{record_path}: no sha256_tree (an earlier eaglepipe recorded a plain sha256); "
-                                 f"delete {path} and {record_path} so its hidden_states job re-runs")
+                                 f"re-extract it with {rebuild(path)}")
+            if record.get("target_fingerprint") != target:
+                raise ValueError(f"{record_path}: target_fingerprint {record.get('target_fingerprint')!r} is not the "
+                                 f"target's {target!r} ({target_dir}): the shard was extracted from other weights; "
+                                 f"re-extract it with {rebuild(path)}")
             layer_ids = record["layer_ids"]
             tokens[split] += record["tokens"]
             shards.append({"path": str(path), "split": split, "samples": record["samples"],
@@ -220,6 +226,6 @@ def manifest(shard_paths: dict[str, list[str]], record_paths: dict[str, list[str
     info = read_info(target_dir)
     write_json(output_path, {
         "layer_ids": layer_ids, "layer_convention": LAYER_CONVENTION, "hidden_size": info.hidden_size,
-        "dtype": "bfloat16", "target_fingerprint": fingerprint(target_dir), "engine": engine,
+        "dtype": "bfloat16", "target_fingerprint": target, "engine": engine,
         "tokens": tokens, "shards": shards,
     })
