@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from . import locks
 from .engines import open_engine
 from .engines.base import EngineSettings
 from .formats import (
@@ -174,23 +175,24 @@ def run(trace_path, output_path, *, target_dir, layer_ids, engine: dict, max_len
         progress_dir=None, record_path=None) -> None:
     """Stream the shard (shard_writer.StreamingShard), then write its record; the partial file beside the output and
     the progress folder's chunk records are the resume state after a crash."""
-    info = read_info(target_dir)
-    layer_ids = resolve_layer_ids(layer_ids, info)
-    ids, seqs, masks = sequences_of(read_table(trace_path, TRACE_SCHEMA), max_length)
-    progress = Progress(f"hidden states {trace_path}", len(seqs), "tok/s")
-    key = units_key(sha256_file(trace_path), fingerprint(target_dir), layer_ids, engine, max_length, chunk_size,
-                    Path(__file__).read_text())
-    units = Units(progress_dir or Path(output_path).with_name(f".{Path(output_path).name}.progress"), key,
-                  f"hidden states {trace_path}")
-    small = shard_tensors(seqs, masks)
-    metadata = {"ids": ids, "layer_ids": layer_ids, "layer_convention": LAYER_CONVENTION,
-                "target_fingerprint": fingerprint(target_dir)}
-    with open_engine(target_dir, EngineSettings.from_config(engine)) as eng:
-        digest = extract(eng, output_path, seqs, small, metadata, layer_ids, hidden=info.hidden_size,
-                         chunk_size=chunk_size, units=units, progress=progress)
-    write_record(record_path or record_path_of(output_path), output_path, digest=digest, tensors=small,
-                 metadata=metadata)
-    units.finish(-(-len(seqs) // chunk_size))
+    with locks.writing(output_path, "hidden-state shard"):
+        info = read_info(target_dir)
+        layer_ids = resolve_layer_ids(layer_ids, info)
+        ids, seqs, masks = sequences_of(read_table(trace_path, TRACE_SCHEMA), max_length)
+        progress = Progress(f"hidden states {trace_path}", len(seqs), "tok/s")
+        key = units_key(sha256_file(trace_path), fingerprint(target_dir), layer_ids, engine, max_length, chunk_size,
+                        Path(__file__).read_text())
+        units = Units(progress_dir or Path(output_path).with_name(f".{Path(output_path).name}.progress"), key,
+                      f"hidden states {trace_path}")
+        small = shard_tensors(seqs, masks)
+        metadata = {"ids": ids, "layer_ids": layer_ids, "layer_convention": LAYER_CONVENTION,
+                    "target_fingerprint": fingerprint(target_dir)}
+        with open_engine(target_dir, EngineSettings.from_config(engine)) as eng:
+            digest = extract(eng, output_path, seqs, small, metadata, layer_ids, hidden=info.hidden_size,
+                             chunk_size=chunk_size, units=units, progress=progress)
+        write_record(record_path or record_path_of(output_path), output_path, digest=digest, tensors=small,
+                     metadata=metadata)
+        units.finish(-(-len(seqs) // chunk_size))
 
 
 def manifest(shard_paths: dict[str, list[str]], record_paths: dict[str, list[str]], output_path, *, target_dir,
