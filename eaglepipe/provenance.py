@@ -80,7 +80,7 @@ def check(draft_dir, *, target_dir=None, manifest_path=None, vocab_path=None, re
             raise ProvenanceError(f"{weights}: no d2t/t2d vocab map in the draft's weights; {remedy}")
         d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
     if d2t.numel() != config.get("draft_vocab_size"):
-        raise _mismatch(path, "draft_vocab_size", config.get("draft_vocab_size"), f"the d2t of {weights} has",
+        raise _mismatch(path, "draft_vocab_size", config.get("draft_vocab_size"), f"the length of d2t in {weights}",
                         d2t.numel(), f"the config and the weights come from different runs: {remedy}")
     digest = vocab_digest(d2t, t2d)
     if digest != prov["vocab_map_sha256"]:
