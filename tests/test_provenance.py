@@ -65,14 +65,19 @@ def other_vocab_map(tensors):
     tensors["t2d"][[0, 1]] = torch.tensor([False, True])
 
 
+def shift_ids(config):
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [3, 5, 6]
+
+
+# tamper -> (what is done to the bundle, the start of the message after "<bundle>/")
 TAMPERS = {
-    "aux-ids": (lambda f: edit_config(f, lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[3, 5, 6])),
-                "config.json: eagle_config.eagle_aux_hidden_state_layer_ids is [3, 5, 6], but "
-                "eaglepipe.provenance.layer_ids (the layers it was trained on) is [2, 4, 5]; the config was edited "
-                "after training: set the ids back to [2, 4, 5]"),
+    "aux-ids": (lambda f: edit_config(f, shift_ids),
+                ("config.json: eagle_config.eagle_aux_hidden_state_layer_ids is [3, 5, 6], but "
+                 "eaglepipe.provenance.layer_ids (the layers it was trained on) is [2, 4, 5]; the config was edited "
+                 "after training: set the ids back to [2, 4, 5]")),
     "vocab-size": (lambda f: edit_config(f, lambda c: c.update(draft_vocab_size=256)),
-                   "config.json: draft_vocab_size is 256, but the length of d2t in {folder}/model.safetensors is 512; the "
-                   "config and the weights come from different runs"),
+                   ("config.json: draft_vocab_size is 256, but the length of d2t in {folder}/model.safetensors is "
+                    "512; the config and the weights come from different runs")),
     "vocab-map": (lambda f: edit_weights(f, other_vocab_map),
                   "config.json: eaglepipe.provenance.vocab_map_sha256 is '"),
 }
