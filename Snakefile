@@ -1,12 +1,22 @@
 # eaglepipe: raw prompts -> traces -> vocab map -> hidden states -> EAGLE-3 draft -> offline acceptance -> report.
 import os
 
+from snakemake.exceptions import WorkflowError
 from snakemake.utils import min_version
+
+import eaglepipe.config
 
 min_version("9.0")
 
 
 # The shipped defaults, found from the Snakefile so that --directory elsewhere works; --configfile overrides.
+# Checked first: Snakemake's message for a file that does not parse names neither the file nor the line.
+try:
+    eaglepipe.config.load(os.path.join(workflow.basedir, "config", "config.yaml"))
+except eaglepipe.config.ConfigError as err:
+    raise WorkflowError(str(err)) from None
+
+
 configfile: os.path.join(workflow.basedir, "config", "config.yaml")
 
 

@@ -25,7 +25,7 @@ from functools import partial
 from pathlib import Path
 
 from . import diagnose as diagnose_mod
-from . import evaluate
+from . import evaluate, export, provenance
 from .bundle import check_fits
 from .chat import load_tokenizer, render_chat
 from .engines import open_engine
@@ -51,7 +51,14 @@ def run(prompts_path, draft_dir, acceptance_path, output_path, *, target_dir, en
         diagnose_prompts: int = 4, chat_template: str | None = None, multi_turn: str = "last",
         seed: int | None = 0) -> None:
     template_kwargs = template_kwargs or {}
-    check_fits(draft_dir, target_dir)  # before any engine loads: a draft of another target is named, not served
+    # Before any engine loads: a draft of another target, or one whose files disagree, is named, not served.
+    check_fits(draft_dir, target_dir)
+    prov = provenance.check(draft_dir, target_dir=target_dir)
+    context = min(engine.get("max_model_len", 4096), read_info(target_dir).max_position_embeddings)
+    problems = export.check(draft_dir, "vllm", layer_ids=prov["layer_ids"], target_dir=target_dir,
+                            serving_context=context)
+    if problems:
+        raise ValueError("the draft would serve badly in vLLM:\n  " + "\n  ".join(problems))
     acceptance = _read_acceptance(acceptance_path)
     # The traces' override template (target.chat_template), when set, is the one served with.
     tokenizer = load_tokenizer(target_dir, read_template(chat_template) if chat_template else None)

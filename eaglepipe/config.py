@@ -28,6 +28,23 @@ def _with_defaults(cls):
     return validators.extend(cls, {"properties": fill})
 
 
+def load(path) -> dict:
+    """A YAML config file; ConfigError naming the file, line and column where it does not parse."""
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: byte {err.start} is not UTF-8; save the file as UTF-8") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigError(f"{path}{where}: not valid YAML ({problem}); fix it there (indent with spaces, close every "
+                          "bracket and quote)") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{path}: a config file holds keys at the top level, not a {type(data).__name__}")
+    return data or {}
+
+
 def validate(config: dict, schema_path=SCHEMA) -> dict:
     """Fill defaults into `config` in place and check it; raise ConfigError naming the first bad key."""
     schema = yaml.safe_load(Path(schema_path).read_text())

@@ -319,15 +319,19 @@ class Eagle3Draft(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
 
-def save_checkpoint(model: Eagle3Draft, out_dir) -> None:
+def save_checkpoint(model: Eagle3Draft, out_dir, provenance: dict | None = None) -> None:
+    """model.safetensors and config.json; provenance (eaglepipe/provenance.py) goes into config.json's eaglepipe key."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
     state = {k: v if v.dtype in (torch.int64, torch.bool) else v.to(torch.bfloat16) for k, v in state.items()}
     with atomic_path(out_dir / "model.safetensors") as tmp:
         save_file(state, str(tmp), metadata={"format": "pt"})
+    config = model.config.to_hf()
+    if provenance is not None:
+        config["eaglepipe"]["provenance"] = provenance
     with atomic_path(out_dir / "config.json") as tmp:
-        tmp.write_text(json.dumps(model.config.to_hf(), indent=2, sort_keys=True) + "\n")
+        tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def load_checkpoint(draft_dir, dtype=torch.float32) -> Eagle3Draft:

@@ -115,9 +115,7 @@ def main(argv=None) -> None:
     """python -m eaglepipe.estimate --configfile A.yaml [B.yaml ...]: the plan over config/config.yaml."""
     import argparse
 
-    import yaml
-
-    from .config import SCHEMA, validate
+    from .config import SCHEMA, load, validate
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--configfile", nargs="+", default=[])
@@ -125,7 +123,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     config: dict = {}
     for path in [SCHEMA.parent / "config.yaml", *args.configfile]:
-        for key, value in (yaml.safe_load(Path(path).read_text()) or {}).items():
+        for key, value in load(path).items():
             config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
     p = plan(validate(config))
     print(json.dumps(p, indent=2) if args.json else format_plan(p))

@@ -20,6 +20,7 @@ import logging
 
 import torch
 
+from . import provenance
 from .batches import collate, plan, shifted, step_inputs
 from .draft import load_checkpoint
 from .formats import common_dtype, read_hidden_shard, write_json
@@ -128,7 +129,10 @@ def score(model, shard_paths: list[str], embed: torch.Tensor, max_k: int, max_to
 
 
 def run(shard_paths: list[str], draft_dir, output_path, *, target_dir, max_k: int, max_tokens: int,
-        threads: int, device: str = "cpu") -> None:
+        threads: int, device: str = "cpu", manifest_path=None, remedy: str = provenance.RETRAIN) -> None:
+    """Score the draft on the shards into acceptance.json, once its provenance matches the target and the manifest
+    (the hidden states' layers) it is scored with."""
+    provenance.check(draft_dir, target_dir=target_dir, manifest_path=manifest_path, remedy=remedy)
     torch.set_num_threads(threads)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("config key evaluate.device is 'cuda' but torch sees no CUDA device; set evaluate.device: cpu")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from . import provenance
 from .formats import atomic_path, write_json
 from .rope import parameters as rope_parameters
 from .target import read_info
@@ -78,10 +79,11 @@ def _offset(ids, expected) -> str:
 
 
 def run(draft_dir, manifest_path, target_dir, sglang_dir, checks_path, *, serving_context: int | None,
-        max_model_len: int = 4096) -> None:
+        max_model_len: int = 4096, remedy: str = provenance.RETRAIN) -> None:
     """Write the SGLang export and checks.json; fail, naming every problem, when any export does not pass.
     serving_context None: the context the vLLM engine serves at, max_model_len capped by the target's positions."""
     draft_dir, sglang_dir = Path(draft_dir), Path(sglang_dir)
+    provenance.check(draft_dir, target_dir=target_dir, manifest_path=manifest_path, remedy=remedy)
     if serving_context is None:
         serving_context = min(max_model_len, read_info(target_dir).max_position_embeddings)
     layer_ids = json.loads(Path(manifest_path).read_text())["layer_ids"]

@@ -137,6 +137,13 @@ def encode(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor | No
     return (x, None) if dtype == "bfloat16" else quantize(x)
 
 
+def rebuild(*targets) -> str:
+    """The command that rebuilds workflow outputs (paths, or rule names for all of a rule's outputs) and what was made
+    from them: a missing or damaged intermediate whose downstream outputs exist is not rebuilt by a plain run."""
+    return (f"`snakemake --cores all --forcerun {' '.join(map(str, targets))}` (add the run's --configfile and "
+            "--directory options)")
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside `path`; rename it to `path` only if the block succeeds."""
@@ -167,13 +174,13 @@ def read_table(path, schema: pa.Schema | None = None) -> list[dict]:
     try:
         table = pq.read_table(path)
     except (pa.ArrowInvalid, OSError) as err:
-        raise ValueError(f"{path}: not a readable Parquet file ({err}); delete it and rerun the rule that writes "
-                         "it (or fix the source file)") from None
+        raise ValueError(f"{path}: not a readable Parquet file ({err}); if the workflow wrote it, rebuild it and "
+                         f"what was made from it with {rebuild(path)}; otherwise fix or replace the file") from None
     if schema is not None:
         missing = set(schema.names) - set(table.column_names)
         if missing:
             raise ValueError(f"{path}: missing columns {sorted(missing)}; was it written by another version? "
-                             "Delete it and rerun its rule.")
+                             f"Rebuild it and what was made from it with {rebuild(path)}")
     return table.to_pylist()
 
 
@@ -262,8 +269,7 @@ def common_dtype(paths) -> str:
             first, dtype = path, this
         elif this != dtype:
             raise ValueError(f"hidden-state shard {path} holds {this} states but {first} holds {dtype}: one run "
-                             "takes shards of one hidden_states.dtype; delete the shards of the other dtype (or "
-                             "results/hidden_states) so the hidden_states jobs write them all again")
+                             f"takes shards of one hidden_states.dtype; re-extract them all with {rebuild('hidden_states')}")
     return dtype or "bfloat16"
 
 

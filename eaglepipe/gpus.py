@@ -8,13 +8,14 @@ scheduler sets CUDA_VISIBLE_DEVICES itself and nothing is claimed.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import shutil
 import subprocess
 import time
 from pathlib import Path
+
+from .locks import try_lock
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +68,8 @@ def _try_lock(count: int, total: int, lock_dir: Path) -> list[int] | None:
     """Lock `count` free slots, or none at all."""
     fds, mine = [], []
     for gpu in range(total):
-        fd = os.open(lock_dir / f"gpu-{gpu}.lock", os.O_CREAT | os.O_RDWR, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        fd = try_lock(lock_dir / f"gpu-{gpu}.lock")
+        if fd is None:
             continue
         fds.append(fd)
         mine.append(gpu)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from . import locks
 from .engines import open_engine
 from .engines.base import EngineSettings
 from .formats import (
@@ -22,6 +23,7 @@ from .formats import (
     TRACE_SCHEMA,
     atomic_path,
     read_table,
+    rebuild,
     sha256_file,
     sha256_tree,
     shard_dtype,
@@ -178,23 +180,24 @@ def run(trace_path, output_path, *, target_dir, layer_ids, engine: dict, max_len
         dtype: str = "bfloat16", progress_dir=None, record_path=None) -> None:
     """Stream the shard (shard_writer.StreamingShard), then write its record; the partial file beside the output and
     the progress folder's chunk records are the resume state after a crash."""
-    info = read_info(target_dir)
-    layer_ids = resolve_layer_ids(layer_ids, info)
-    ids, seqs, masks = sequences_of(read_table(trace_path, TRACE_SCHEMA), max_length)
-    progress = Progress(f"hidden states {trace_path}", len(seqs), "tok/s")
-    key = units_key(sha256_file(trace_path), fingerprint(target_dir), layer_ids, engine, max_length, chunk_size,
-                    dtype, Path(__file__).read_text())
-    units = Units(progress_dir or Path(output_path).with_name(f".{Path(output_path).name}.progress"), key,
-                  f"hidden states {trace_path}")
-    small = shard_tensors(seqs, masks)
-    metadata = {"ids": ids, "layer_ids": layer_ids, "layer_convention": LAYER_CONVENTION,
-                "target_fingerprint": fingerprint(target_dir)}
-    with open_engine(target_dir, EngineSettings.from_config(engine)) as eng:
-        digest = extract(eng, output_path, seqs, small, metadata, layer_ids, hidden=info.hidden_size,
-                         chunk_size=chunk_size, units=units, progress=progress, dtype=dtype)
-    write_record(record_path or record_path_of(output_path), output_path, digest=digest, tensors=small,
-                 metadata=metadata)
-    units.finish(-(-len(seqs) // chunk_size))
+    with locks.writing(output_path, "hidden-state shard"):
+        info = read_info(target_dir)
+        layer_ids = resolve_layer_ids(layer_ids, info)
+        ids, seqs, masks = sequences_of(read_table(trace_path, TRACE_SCHEMA), max_length)
+        progress = Progress(f"hidden states {trace_path}", len(seqs), "tok/s")
+        key = units_key(sha256_file(trace_path), fingerprint(target_dir), layer_ids, engine, max_length, chunk_size,
+                        dtype, Path(__file__).read_text())
+        units = Units(progress_dir or Path(output_path).with_name(f".{Path(output_path).name}.progress"), key,
+                      f"hidden states {trace_path}")
+        small = shard_tensors(seqs, masks)
+        metadata = {"ids": ids, "layer_ids": layer_ids, "layer_convention": LAYER_CONVENTION,
+                    "target_fingerprint": fingerprint(target_dir)}
+        with open_engine(target_dir, EngineSettings.from_config(engine)) as eng:
+            digest = extract(eng, output_path, seqs, small, metadata, layer_ids, hidden=info.hidden_size,
+                             chunk_size=chunk_size, units=units, progress=progress, dtype=dtype)
+        write_record(record_path or record_path_of(output_path), output_path, digest=digest, tensors=small,
+                     metadata=metadata)
+        units.finish(-(-len(seqs) // chunk_size))
 
 
 def manifest(shard_paths: dict[str, list[str]], record_paths: dict[str, list[str]], output_path, *, target_dir,
@@ -202,6 +205,7 @@ def manifest(shard_paths: dict[str, list[str]], record_paths: dict[str, list[str
     """Gather the records the extraction jobs wrote with their shards (checksums, counts); never re-hash a shard:
     the manifest must hold what extraction wrote, not what is on disk now."""
     shards, tokens, layer_ids, dtype = [], {}, None, None
+    target = fingerprint(target_dir)
     for split, paths in shard_paths.items():
         tokens[split] = 0
         records = record_paths[split]
@@ -211,18 +215,23 @@ def manifest(shard_paths: dict[str, list[str]], record_paths: dict[str, list[str
             record = json.loads(Path(record_path).read_text())
             if record["shard"] != Path(path).name:
                 raise ValueError(f"{record_path}: records shard {record['shard']!r}, not {Path(path).name!r}; "
-                                 f"delete {path} and {record_path} so its hidden_states job re-runs")
+                                 f"re-extract it with {rebuild(path)}")
             if layer_ids is not None and record["layer_ids"] != layer_ids:
                 raise ValueError(f"{path}: layer ids {record['layer_ids']} differ from other shards' {layer_ids}")
             if "sha256_tree" not in record:
                 raise ValueError(f"{record_path}: no sha256_tree (an earlier eaglepipe recorded a plain sha256); "
-                                 f"delete {path} and {record_path} so its hidden_states job re-runs")
-            shard_dtype = record.get("dtype", "bfloat16")  # records from before fp8 shards: bf16
-            if dtype is not None and shard_dtype != dtype:
-                raise ValueError(f"{path}: holds {shard_dtype} states but the shards before it hold {dtype}: one "
-                                 "run takes shards of one hidden_states.dtype; delete the shards (and records) of "
-                                 "the other dtype so their hidden_states jobs re-run")
-            layer_ids, dtype = record["layer_ids"], shard_dtype
+                                 f"re-extract it with {rebuild(path)}")
+            if record.get("target_fingerprint") != target:
+                raise ValueError(f"{record_path}: target_fingerprint {record.get('target_fingerprint')!r} is not the "
+                                 f"target's {target!r} ({target_dir}): the shard was extracted from other weights; "
+                                 f"re-extract it with {rebuild(path)}")
+            layer_ids = record["layer_ids"]
+            record_dtype = record.get("dtype", "bfloat16")  # records from before fp8 shards: bf16
+            if dtype is not None and record_dtype != dtype:
+                raise ValueError(f"{path}: holds {record_dtype} states but the shards before it hold {dtype}: one "
+                                 "run takes shards of one hidden_states.dtype; re-extract them all with "
+                                 f"{rebuild('hidden_states')}")
+            dtype = record_dtype
             tokens[split] += record["tokens"]
             shards.append({"path": str(path), "split": split, "samples": record["samples"],
                            "tokens": record["tokens"], "loss_tokens": record["loss_tokens"],
@@ -230,6 +239,6 @@ def manifest(shard_paths: dict[str, list[str]], record_paths: dict[str, list[str
     info = read_info(target_dir)
     write_json(output_path, {
         "layer_ids": layer_ids, "layer_convention": LAYER_CONVENTION, "hidden_size": info.hidden_size,
-        "dtype": dtype or "bfloat16", "target_fingerprint": fingerprint(target_dir), "engine": engine,
+        "dtype": dtype or "bfloat16", "target_fingerprint": target, "engine": engine,
         "tokens": tokens, "shards": shards,
     })

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import logs
+from .formats import rebuild
 
 
 def _start(smk, *, gpus: bool = False) -> None:
@@ -34,6 +35,13 @@ def target(smk) -> None:
     from . import target as stage
 
     stage.fetch_embedded(smk.output.target)
+
+
+def target_fingerprint(smk) -> None:
+    _start(smk)
+    from . import target as stage
+
+    stage.write_fingerprint(smk.input.target, smk.output.fingerprint)
 
 
 def synthesize_prompts(smk) -> None:
@@ -191,6 +199,7 @@ def manifest(smk) -> None:
 def validate_shards(smk) -> None:
     _start(smk)
     from . import validate
+    from .target import read_fingerprint
 
     validate.run(
         smk.input.manifest,
@@ -198,6 +207,7 @@ def validate_shards(smk) -> None:
         smk.output.validation,
         max_length=smk.params.max_length,
         threads=smk.threads,
+        target_fingerprint=read_fingerprint(smk.input.fingerprint),
     )
 
 
@@ -241,6 +251,8 @@ def evaluate(smk) -> None:
         max_tokens=smk.params.max_tokens,
         threads=smk.threads,
         device=smk.params.device,
+        manifest_path=smk.input.manifest,
+        remedy=f"retrain it with {rebuild('train')}",
     )
 
 
@@ -284,6 +296,7 @@ def export(smk) -> None:
         smk.output.checks,
         serving_context=smk.params.serving_context,
         max_model_len=smk.params.max_model_len,
+        remedy=f"retrain it with {rebuild('train')}",
     )
 
 

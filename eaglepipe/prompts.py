@@ -53,8 +53,9 @@ def read_records(path) -> list[tuple[int, dict]]:
     if _is_json_array(path):
         return _read_json_array(path)
     records = []
-    with open(path, encoding="utf-8") as f:
-        for row, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for row, raw in enumerate(f, start=1):
+            line = _decode(path, raw, row)
             if not line.strip():
                 continue
             try:
@@ -68,22 +69,33 @@ def read_records(path) -> list[tuple[int, dict]]:
     return records
 
 
+def _decode(path, data: bytes, first_row: int = 1, unit: str = "row") -> str:
+    """data (the file's text from row first_row on) as UTF-8; PromptError naming the row and column of the first
+    byte that is not."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        row = first_row + data.count(b"\n", 0, err.start)
+        column = err.start - data.rfind(b"\n", 0, err.start)
+        raise PromptError(f"{path}, {unit} {row}: byte 0x{data[err.start]:02x} at column {column} is not UTF-8; save "
+                          "the file as UTF-8 (e.g. iconv -f latin1 -t utf-8 FILE) or fix that line") from None
+
+
 def _is_json_array(path: Path) -> bool:
     """Whether the file holds one JSON array (its first non-blank character is '[')."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         while True:
             block = f.read(4096)
             if not block:
                 return False
             stripped = block.lstrip()
             if stripped:
-                return stripped[0] == "["
+                return stripped[:1] == b"["
 
 
 def _read_json_array(path: Path) -> list[tuple[int, dict]]:
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = json.loads(_decode(path, path.read_bytes(), unit="line"))
     except json.JSONDecodeError as err:
         raise PromptError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}); "
                           "fix the file (a JSON array of records, or one record a line)") from None
@@ -101,8 +113,8 @@ def count_records(path) -> int:
         return pq.ParquetFile(path).metadata.num_rows
     if _is_json_array(path):
         return len(_read_json_array(path))
-    with open(path, encoding="utf-8") as f:
-        return sum(1 for line in f if line.strip())
+    with open(path, "rb") as f:
+        return sum(1 for row, line in enumerate(f, start=1) if _decode(path, line, row).strip())
 
 
 def normalise(record: dict, where: str) -> list[dict]:

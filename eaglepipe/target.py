@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
@@ -78,15 +78,38 @@ def _safetensors_files(target_dir: Path) -> list[Path]:
     return files
 
 
-def _safetensors_header(path: Path) -> bytes:
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        return f.read(size)
+def hash_cache() -> Path:
+    """Where file digests are cached: $EAGLEPIPE_HASH_CACHE, else ~/.cache/eaglepipe/sha256."""
+    return Path(os.environ.get("EAGLEPIPE_HASH_CACHE") or Path.home() / ".cache" / "eaglepipe" / "sha256")
+
+
+def cached_sha256(path, cache_dir=None) -> str:
+    """sha256 of a file's bytes, read once per (path, size, mtime): the digest is kept in a small file under the
+    cache folder named for those three, so an unchanged 100 GB checkpoint is not re-read by every run, and a file
+    rewritten in place (a new mtime) is hashed again."""
+    from .formats import sha256_file
+
+    path = Path(path).resolve()
+    before = path.stat()
+    key = hashlib.sha256(f"{path}\0{before.st_size}\0{before.st_mtime_ns}".encode()).hexdigest()
+    entry = Path(cache_dir or hash_cache()) / key
+    if entry.is_file():
+        digest = entry.read_text().strip()
+        if len(digest) == 64:
+            return digest
+    digest = sha256_file(path)
+    after = path.stat()
+    if (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns):  # not changed while read
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
+        tmp.write_text(digest + "\n")
+        os.replace(tmp, entry)
+    return digest
 
 
 def fingerprint(target_dir) -> str:
-    """Content fingerprint of a checkpoint that stays cheap for terabytes: config, tokenizer files and the
-    safetensors headers (names, dtypes, shapes and offsets of every tensor), not the weights themselves."""
+    """Content fingerprint of a checkpoint: config, tokenizer files and the bytes of every safetensors file (each
+    hashed once per path, size and mtime: cached_sha256)."""
     target_dir = Path(target_dir)
     digest = hashlib.sha256()
     names = ["config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"]
@@ -95,8 +118,27 @@ def fingerprint(target_dir) -> str:
         if path.is_file():
             digest.update(name.encode() + b"\0" + path.read_bytes())
     for path in _safetensors_files(target_dir):
-        digest.update(path.name.encode() + b"\0" + _safetensors_header(path))
+        digest.update(path.name.encode() + b"\0" + bytes.fromhex(cached_sha256(path)))
     return digest.hexdigest()[:16]
+
+
+def write_fingerprint(target_dir, path) -> str:
+    """The fingerprint file (JSON {"target_fingerprint"}): rewritten only when the fingerprint changed, so its mtime
+    moves exactly when the target did and the rules that take it as an input re-run. Returns the fingerprint."""
+    from .formats import write_json
+
+    value = fingerprint(target_dir)
+    if read_fingerprint(path) != value:
+        write_json(path, {"target_fingerprint": value})
+    return value
+
+
+def read_fingerprint(path) -> str | None:
+    """The fingerprint recorded in a fingerprint file (write_fingerprint); None when there is none."""
+    try:
+        return json.loads(Path(path).read_text())["target_fingerprint"]
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        return None
 
 
 def load_lm_head(target_dir) -> torch.Tensor:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import reasoning
+from . import locks, reasoning
 from .engines import open_engine
 from .engines.base import EngineSettings, Sampling
 from .formats import (
@@ -33,7 +33,13 @@ def shard_of(prompt_id: str, num_shards: int) -> int:
     return stable_hash("shard:" + prompt_id) % num_shards
 
 
-def run(prompts_path, output_path, *, target_dir, split: str, shard: int, num_shards: int, engine: dict,
+def run(prompts_path, output_path, **settings) -> None:
+    """Generate the trace shard (generate) while holding its lock, so no second run writes it at the same time."""
+    with locks.writing(output_path, "trace shard"):
+        generate(prompts_path, output_path, **settings)
+
+
+def generate(prompts_path, output_path, *, target_dir, split: str, shard: int, num_shards: int, engine: dict,
         sampling: dict, template_kwargs: dict, chunk_size: int, max_error_share: float,
         chat_template: str | None = None, reasoning_markers=None, multi_turn: str = "last",
         progress_dir=None) -> None:

@@ -33,10 +33,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from . import provenance
 from . import vocab as vocab_map
 from .batches import collate, plan, read_sequences, sequence_lengths, step_inputs, step_mask, targets
 from .draft import DraftConfig, Eagle3Draft, save_checkpoint
-from .formats import atomic_path, common_dtype
+from .formats import LAYER_CONVENTION, atomic_path, common_dtype
+from .target import fingerprint as target_fingerprint
 from .target import load_embeddings, load_lm_head, read_info
 
 log = logging.getLogger(__name__)
@@ -345,7 +347,9 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
         Path(weights_out).mkdir(parents=True, exist_ok=True)
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, Path(weights_out) / f"rank-{rank}.pt")
     if rank == 0:
-        save_checkpoint(model, out_dir)
+        save_checkpoint(model, out_dir, provenance.record(
+            layer_ids=layer_ids, layer_convention=LAYER_CONVENTION, vocab=vocab,
+            target_fingerprint=target_fingerprint(target_dir), settings=settings))
         with atomic_path(out_dir / "train_log.jsonl") as tmp:
             tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
         shutil.rmtree(progress_dir, ignore_errors=True)  # the outputs are complete: nothing left to resume

@@ -22,14 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .formats import (
-    STATE_KEYS,
-    read_hidden_shard,
-    read_table,
-    sha256_tree,
-    shard_dtype,
-    write_json,
-)
+from .formats import STATE_KEYS, read_hidden_shard, read_table, rebuild, sha256_tree, shard_dtype, write_json
 from .hidden_states import sequences_of
 
 log = logging.getLogger(__name__)
@@ -44,16 +37,16 @@ def check_checksum(path, entry: dict) -> None:
     """The shard's bytes on disk against the sha256_tree its hidden_states job recorded when it wrote them."""
     where = f"hidden-state shard {path}"
     if not Path(path).is_file():
-        raise ShardError(f"{where}: missing; run the workflow again so its hidden_states job re-runs")
+        raise ShardError(f"{where}: missing; re-extract it with {rebuild(path)}")
     if "sha256_tree" not in entry:
-        raise ShardError(f"{where}: the manifest has no sha256_tree for it (written by an earlier eaglepipe); delete "
-                         "results/hidden_states so the hidden_states jobs re-run")
+        raise ShardError(f"{where}: the manifest has no sha256_tree for it (written by an earlier eaglepipe); "
+                         f"re-extract every shard with {rebuild('hidden_states')}")
     digest = sha256_tree(path)
     if digest != entry["sha256_tree"]:
         raise ShardError(f"{where}: sha256_tree {digest[:12]}... differs from the manifest's "
                          f"{entry['sha256_tree'][:12]}..., "
                          "recorded by its hidden_states job when it wrote the shard: the file changed after "
-                         f"extraction (disk or copy damage?); delete {path} so its job re-runs")
+                         f"extraction (disk or copy damage?); re-extract it with {rebuild(path)}")
 
 
 def parallel(function, items, threads: int) -> list:
@@ -71,8 +64,8 @@ def verify_shards(manifest_path, shard_paths, threads: int = 1) -> None:
     recorded = {os.path.normpath(e["path"]): e for e in manifest["shards"]}
     for path in shard_paths:
         if os.path.normpath(path) not in recorded:
-            raise ShardError(f"hidden-state shard {path}: not listed in {manifest_path}; delete {manifest_path} "
-                             "so the manifest rule gathers the shards' records again")
+            raise ShardError(f"hidden-state shard {path}: not listed in {manifest_path}; gather the shards' records "
+                             f"again with {rebuild(manifest_path)}")
     parallel(lambda path: check_checksum(path, recorded[os.path.normpath(path)]), shard_paths, threads)
     log.info("%d shards match the sha256_tree recorded when they were written", len(shard_paths))
 
@@ -88,16 +81,17 @@ def check_shard(entry: dict, manifest: dict, trace_path, max_length: int) -> Non
         raise ShardError(f"{where}: unreadable ({err})") from None
     if meta.get("layer_ids") != manifest["layer_ids"] or meta.get("target_fingerprint") != manifest["target_fingerprint"]:
         raise ShardError(f"{where}: layer ids {meta.get('layer_ids')} / target {meta.get('target_fingerprint')} "
-                         f"differ from the manifest's {manifest['layer_ids']} / {manifest['target_fingerprint']}")
+                         f"differ from the manifest's {manifest['layer_ids']} / {manifest['target_fingerprint']}; "
+                         f"re-extract it with {rebuild(path)}")
     dtype = shard_dtype(path)
     if dtype != manifest.get("dtype", "bfloat16"):
-        raise ShardError(f"{where}: holds {dtype} states but the manifest says {manifest.get('dtype')}; delete "
-                         f"{path} so its hidden_states job re-runs")
+        raise ShardError(f"{where}: holds {dtype} states but the manifest says {manifest.get('dtype')}; re-extract "
+                         f"it with {rebuild(path)}")
     ids, seqs, masks = sequences_of(read_table(trace_path), max_length)
     expected = torch.tensor([t for s in seqs for t in s], dtype=torch.int32)
     if meta.get("ids") != ids or not torch.equal(tensors["input_ids"], expected):
         raise ShardError(f"{where}: its tokens are not those of {trace_path} ({tensors['input_ids'].numel()} vs "
-                         f"{expected.numel()} tokens); delete {path} so its hidden_states job re-runs")
+                         f"{expected.numel()} tokens); re-extract it with {rebuild(path)}")
     if int(tensors["loss_mask"].sum()) != sum(map(sum, masks)) or entry["tokens"] != expected.numel():
         raise ShardError(f"{where}: loss-mask or token counts differ from the traces and the manifest")
     check_finite(path, where)
@@ -129,8 +123,15 @@ def non_finite(block: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(block)
 
 
-def run(manifest_path, trace_paths: dict[str, str], output_path, *, max_length: int, threads: int = 1) -> None:
+def run(manifest_path, trace_paths: dict[str, str], output_path, *, max_length: int, threads: int = 1,
+        target_fingerprint: str | None = None) -> None:
+    """Check every shard (check_shard) and write validation.json; target_fingerprint: the configured target's, which
+    the manifest (and through it every shard) must name."""
     manifest = json.loads(Path(manifest_path).read_text())
+    if target_fingerprint is not None and manifest["target_fingerprint"] != target_fingerprint:
+        raise ShardError(f"{manifest_path}: target_fingerprint {manifest['target_fingerprint']!r} is not the configured "
+                         f"target's {target_fingerprint!r}: the hidden states come from other weights; re-extract "
+                         f"them with {rebuild('hidden_states')}")
 
     def one(entry: dict) -> dict:
         name = Path(entry["path"]).relative_to(Path(entry["path"]).parents[1]).with_suffix("").as_posix()

@@ -14,7 +14,7 @@ import logging
 import torch
 from safetensors.torch import load_file, save_file
 
-from .formats import TRACE_SCHEMA, atomic_path, read_table, write_json
+from .formats import TRACE_SCHEMA, atomic_path, read_table, rebuild, write_json
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,6 @@ def load(map_path) -> dict[str, torch.Tensor]:
     d2t = tensors["d2t"]
     ids = torch.arange(d2t.numel()) + d2t
     if not torch.equal(tensors["t2d"].nonzero().squeeze(1), ids):
-        raise ValueError(f"{map_path}: d2t and t2d disagree; rebuild it with the vocab rule")
+        raise ValueError(f"{map_path}: d2t and t2d disagree; rebuild it with {rebuild(map_path)}")
     tensors["draft_ids"] = ids
     return tensors

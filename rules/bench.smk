@@ -5,6 +5,7 @@ rule bench:
         # prompts, traces, config, model, acceptance: the workflow's own or a draft bundle's (bench.draft)
         unpack(bench_inputs()),
         target=target_dir(),
+        fingerprint=rules.target_fingerprint.output.fingerprint,
     output:
         served="results/bench/served.json",
     params:

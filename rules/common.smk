@@ -7,6 +7,7 @@ import eaglepipe.bundle
 import eaglepipe.config
 import eaglepipe.estimate
 import eaglepipe.preflight
+import eaglepipe.target
 
 EMBEDDED_TARGET = "resources/targets/smollm2-135m"
 SCHEMA = workflow.source_path("../config/schema.yaml")
@@ -57,6 +58,17 @@ def target_dir():
 
         return checkpoint
     return ancient(path)
+
+
+# Written by rule target_fingerprint; rewritten here when the checkpoint's bytes changed since (a fine-tuned
+# checkpoint saved over the old one), so `snakemake -n` already plans the rules that read the target.
+TARGET_FINGERPRINT = "results/target/fingerprint.json"
+_target = config["target"]["path"] or EMBEDDED_TARGET
+if os.path.isfile(TARGET_FINGERPRINT) and os.path.isfile(os.path.join(_target, "config.json")):
+    try:
+        eaglepipe.target.write_fingerprint(_target, TARGET_FINGERPRINT)
+    except (OSError, ValueError):
+        pass  # a checkpoint without weights: the jobs' preflight names what is wrong
 
 
 def chat_template_file():

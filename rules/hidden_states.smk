@@ -9,6 +9,7 @@ rule hidden_states:
     input:
         traces="results/traces/{split}/shard-{i}.parquet",
         target=target_dir(),
+        fingerprint=rules.target_fingerprint.output.fingerprint,
     output:
         shard="results/hidden_states/{split}/shard-{i}.safetensors",
         # The shard's sha256_tree and counts, written by the same job from the bytes it wrote (the manifest gathers these).
@@ -56,6 +57,7 @@ rule validate_shards:
         manifest=rules.manifest.output.manifest,
         shards=HIDDEN_SHARDS["train"] + HIDDEN_SHARDS["eval"],
         traces=shards("results/traces/{split}/shard-{i}.parquet"),
+        fingerprint=rules.target_fingerprint.output.fingerprint,
     output:
         validation="results/hidden_states/validation.json",
     params:

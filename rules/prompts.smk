@@ -7,6 +7,7 @@ rule synthesize_prompts:
     input:
         target=target_dir(),
         chat_template=chat_template_file(),
+        fingerprint=rules.target_fingerprint.output.fingerprint,
     output:
         prompts="results/prompts/synthesized.parquet",
         counts="results/prompts/synthesized.json",

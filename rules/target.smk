@@ -9,3 +9,18 @@ rule target:
         "benchmarks/target.tsv"
     script:
         "../scripts/target.py"
+
+
+# The target's fingerprint, weights included (eaglepipe.target.fingerprint): the input through which a checkpoint
+# changed in place re-runs the rules that read the target (the folder itself is ancient: its mtime says nothing).
+rule target_fingerprint:
+    conda:
+        "../envs/eaglepipe.yaml"
+    input:
+        target=target_dir(),
+    output:
+        fingerprint=TARGET_FINGERPRINT,
+    log:
+        "logs/target_fingerprint.log",
+    script:
+        "../scripts/target_fingerprint.py"

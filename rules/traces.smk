@@ -5,6 +5,7 @@ rule traces:
         prompts="results/prompts/{split}.parquet",
         target=target_dir(),
         chat_template=chat_template_file(),
+        fingerprint=rules.target_fingerprint.output.fingerprint,
     output:
         shard="results/traces/{split}/shard-{i}.parquet",
     params:

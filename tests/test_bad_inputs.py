@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from conftest import generate_mixed, snakemake, tiny_config
 from eaglepipe import hidden_states, preflight, prompts, traces, vocab
-from eaglepipe.config import validate
+from eaglepipe.config import ConfigError, load, validate
 from eaglepipe.formats import TRACE_SCHEMA, read_hidden_shard, read_table, sha256_tree, write_table
 from eaglepipe.target import read_info
 
@@ -52,6 +52,30 @@ def test_bad_prompt_records(tmp_path, tiny_target, lines, message):
 def test_corrupt_parquet_prompt_file(tmp_path, tiny_target):
     with pytest.raises(prompts.PromptError, match=r"bad.parquet: not a readable Parquet file .* fix or replace it"):
         run_prompts(tmp_path, ["PAR1 this is not parquet"], tiny_target, name="bad.parquet")
+
+
+@pytest.mark.parametrize("name, data, where", [
+    ("bad.jsonl", b'{"prompt": "hello"}\n{"prompt": "caf\xe9 au lait"}\n', "row 2: byte 0xe9 at column 16"),
+    ("bad.json", b'[\n{"prompt": "hello"},\n{"prompt": "caf\xe9"}\n]\n', "line 3: byte 0xe9 at column 16"),
+], ids=["jsonl", "json-array"])
+def test_prompt_file_that_is_not_utf8_is_named_at_parse_time(tmp_path, tiny_target, name, data, where):
+    """One Latin-1 byte: the dry run (whose plan counts the prompts) names the file, row and column, and the fix."""
+    (tmp_path / name).write_bytes(data)
+    config = tiny_config(tiny_target, prompts={"sources": [str(tmp_path / name)]})
+    result = snakemake(tmp_path / "run", config, "-n", check=False)
+    assert result.returncode != 0
+    assert f"{tmp_path / name}, {where} is not UTF-8; save the file as UTF-8" in result.stdout + result.stderr
+    with pytest.raises(prompts.PromptError, match=rf"{name}, {where} is not UTF-8"):
+        prompts.read_records(tmp_path / name)
+    assert not (tmp_path / "run/results").exists()
+
+
+def test_config_file_that_does_not_parse_names_file_and_line(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("train:\n  epochs: 2\n  lr: [0.1, 0.2\n  seed: 3\n")
+    with pytest.raises(ConfigError, match=rf"{path}, line 4, column 7: not valid YAML \(expected ',' or "
+                                          r"'\]', but got ':'\); fix it there"):
+        load(path)
 
 
 def test_missing_prompt_file_is_named_before_any_job(tmp_path, tiny_target):
@@ -224,7 +248,8 @@ def test_shard_record_of_another_shard(tmp_path, tiny_target):
     records = [record(p) for p in paths]
     out = tmp_path / "manifest.json"
     with pytest.raises(ValueError, match=r"shard-1.json: records shard 'shard-1.safetensors', not "
-                                         r"'shard-0.safetensors'; delete .*shard-0.safetensors and .*shard-1.json"):
+                                         r"'shard-0.safetensors'; re-extract it with `snakemake --cores all "
+                                         r"--forcerun .*shard-0.safetensors`"):
         hidden_states.manifest({"train": [str(p) for p in paths]}, {"train": [str(r) for r in records[::-1]]}, out,
                                target_dir=tiny_target, engine="transformers")
     assert not out.exists()
@@ -238,8 +263,24 @@ def test_shard_record_from_before_sha256_tree(tmp_path, tiny_target):
     old["sha256"] = old.pop("sha256_tree")
     rec.write_text(json.dumps(old))
     out = tmp_path / "manifest.json"
-    with pytest.raises(ValueError, match=r"shard-0.json: no sha256_tree .*; delete .*shard-0.safetensors and "
-                                         r".*shard-0.json so its hidden_states job re-runs"):
+    with pytest.raises(ValueError, match=r"shard-0.json: no sha256_tree .*; re-extract it with `snakemake --cores "
+                                         r"all --forcerun .*shard-0.safetensors`"):
+        hidden_states.manifest({"train": [str(path)]}, {"train": [str(rec)]}, out, target_dir=tiny_target,
+                               engine="transformers")
+    assert not out.exists()
+
+
+def test_shard_record_of_another_target(tmp_path, tiny_target):
+    """A shard extracted from other weights (its record names another target fingerprint) is not gathered."""
+    path = shard(tmp_path)
+    rec = record(path)
+    other = json.loads(rec.read_text())
+    other["target_fingerprint"] = "0123456789abcdef"
+    rec.write_text(json.dumps(other))
+    out = tmp_path / "manifest.json"
+    with pytest.raises(ValueError, match=r"shard-0.json: target_fingerprint '0123456789abcdef' is not the target's "
+                                         r"'[0-9a-f]{16}' .*: the shard was extracted from other weights; re-extract "
+                                         r"it with `snakemake --cores all --forcerun .*shard-0.safetensors`"):
         hidden_states.manifest({"train": [str(path)]}, {"train": [str(rec)]}, out, target_dir=tiny_target,
                                engine="transformers")
     assert not out.exists()

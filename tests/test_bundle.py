@@ -62,7 +62,7 @@ def test_a_bundle_plans_only_the_target_and_the_bench(tmp_path):
     assert result.returncode == 0, result.stderr
     assert {"train", "evaluate", "traces", "prompts"} <= planned_rules(tmp_path / "own", {}, SERVED)
     planned = planned_rules(tmp_path / "served", {"bench": {"draft": str(tmp_path / "bundle")}}, SERVED)
-    assert planned == {"target", "bench"}
+    assert planned == {"target", "target_fingerprint", "bench"}
 
 
 @pytest.mark.parametrize("remove, message", [

@@ -189,7 +189,7 @@ def test_a_bundle_of_the_run_is_served_without_the_pipeline(first_run, tmp_path)
     snakemake(served_dir, {**config, "bench": {**config["bench"], "draft": str(tmp_path / "bundle")}},
               "results/bench/served.json")
     assert sorted(str(p.relative_to(served_dir)) for p in (served_dir / "results").rglob("*")) == [
-        "results/bench", "results/bench/served.json"]
+        "results/bench", "results/bench/served.json", "results/target", "results/target/fingerprint.json"]
     served = json.loads((served_dir / "results/bench/served.json").read_text())
     ours = json.loads((workdir / "results/bench/served.json").read_text())
     acceptance = json.loads((workdir / "results/eval/acceptance.json").read_text())

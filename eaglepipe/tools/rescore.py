@@ -54,11 +54,16 @@ def main(argv=None) -> dict:
 
     import torch
 
-    from .. import evaluate, hidden_states
+    from .. import evaluate, hidden_states, provenance
+    from ..bundle import MAKE
     from ..draft import load_checkpoint
     from ..target import load_embeddings
 
     bundle = Path(args.bundle)
+    try:  # before any work: a draft whose files disagree, or of another target, would be scored at the wrong layers
+        provenance.check(bundle, target_dir=args.target, remedy=f"remake the bundle with {MAKE}")
+    except provenance.ProvenanceError as err:
+        sys.exit(f"error: {err}")
     traces = sorted((bundle / "traces").glob("shard-*.parquet"))
     if not traces:
         sys.exit(f"error: {bundle}/traces has no shard-*.parquet: the bundle carries no eval traces to rescore")

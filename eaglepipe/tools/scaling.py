@@ -23,8 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
 from .. import config as eaglepipe_config
 from .. import batches, evaluate, train
 
@@ -34,7 +32,7 @@ log = logging.getLogger(__name__)
 def load_config(files: list[str]) -> dict:
     merged: dict = {}
     for path in files:
-        for key, value in (yaml.safe_load(Path(path).read_text()) or {}).items():
+        for key, value in eaglepipe_config.load(path).items():
             merged[key] = {**merged.get(key, {}), **value} if isinstance(value, dict) else value
     return eaglepipe_config.validate(merged)
 
