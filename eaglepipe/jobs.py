@@ -234,6 +234,7 @@ def evaluate(smk) -> None:
         max_tokens=smk.params.max_tokens,
         threads=smk.threads,
         device=smk.params.device,
+        temperatures=smk.params.temperatures,
     )
 
 
