@@ -42,6 +42,11 @@ rule plots:
             caption="../report/acceptance.rst",
             category="3. Acceptance",
         ),
+        positions=report(
+            "results/report/positions.png",
+            caption="../report/positions.rst",
+            category="3. Acceptance",
+        ),
         speedup=report(
             "results/report/speedup.png",
             caption="../report/speedup.rst",

@@ -151,3 +151,29 @@ def test_figures_of_an_empty_split_are_defined():
                     torch.zeros(0, dtype=torch.int64))
     assert empty["positions"] == 0 and empty["requests"] == 0 and empty["tau"]["1"] == 1.0
     assert [b["positions"] for b in empty["by_position"]] == [0] * len(POSITION_BUCKETS)
+
+
+def test_summary_and_position_plot_name_both_means_and_every_temperature(tmp_path, world):
+    """The summary's acceptance section names the pooled and the per-request tau, gives tau at T = 0 and each
+    evaluate temperature and a row per position bucket; the position plot is a PNG, the same bytes when redrawn."""
+    from eaglepipe import plots, report
+
+    target, draft = world
+    shard = shard_of(target, [600, 40], seed=4)
+    embed, head = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
+    acc = score(draft, write(tmp_path, shard, ["a", "b"]), embed, K, 1024, head=head, temperatures=[0.7])
+    text = "\n".join(report.acceptance_section(acc))
+    assert "tau, pooled over verify steps" in text and "tau, mean over requests" in text
+    assert f"| 3 | {acc['tau']['3']:.3f} | {acc['tau_request_mean']['3']:.3f} |" in text
+    t07 = acc["temperatures"]["0.7"]
+    assert f"T = 0.7 pooled" in text and f"{t07['tau']['3']:.3f} | {t07['tau_request_mean']['3']:.3f}" in text
+    first, second = acc["by_position"][:2]
+    assert f"| 0-512 | {first['positions']} | {first['tau']['3']:.3f} |" in text
+    assert f"| 512-1K | {second['positions']} |" in text and "| 4K+ | 0 | - | - |" in text
+    old = {k: v for k, v in acc.items() if k not in ("tau_request_mean", "requests", "temperatures", "by_position")}
+    assert "mean over requests" not in "\n".join(report.acceptance_section(old))  # a bundle's older acceptance.json
+    (tmp_path / "acceptance.json").write_text(__import__("json").dumps(acc))
+    plots.positions(tmp_path / "acceptance.json", tmp_path / "a.png")
+    plots.positions(tmp_path / "acceptance.json", tmp_path / "b.png")
+    png = (tmp_path / "a.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and png == (tmp_path / "b.png").read_bytes()

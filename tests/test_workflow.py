@@ -118,6 +118,8 @@ def test_every_artifact_is_produced_and_consistent(first_run):
     assert log and len(log[-1]["loss"]) == 2 and len(log[-1]["acc"]) == 2
     acceptance = json.loads((workdir / "results/eval/acceptance.json").read_text())
     assert set(acceptance["tau"]) == {"1", "2", "3"} and acceptance["positions"] > 0
+    assert sum(b["positions"] for b in acceptance["by_position"]) == acceptance["positions"]
+    assert set(acceptance["temperatures"]) == {"0.7"} and set(acceptance["tau_request_mean"]) == {"1", "2", "3"}
     served = json.loads((workdir / "results/bench/served.json").read_text())
     k2 = served["k"]["2"]
     same = subset(acceptance, served["served_ids"])  # offline over the conversations served
@@ -135,7 +137,8 @@ def test_every_artifact_is_produced_and_consistent(first_run):
     checks = json.loads((workdir / "results/export/checks.json").read_text())
     assert checks["sglang"]["layer_ids"] == [1, 3, 4] and checks["vllm"]["layer_ids"] == [2, 4, 5]
     assert all((workdir / f"results/report/{n}.png").read_bytes().startswith(b"\x89PNG")
-               for n in ("coverage", "training", "acceptance", "speedup"))
+               for n in ("coverage", "training", "acceptance", "positions", "speedup"))
+    assert "tau, mean over requests" in summary and "T = 0.7 pooled" in summary and "By context position" in summary
 
 
 def test_nothing_to_do_after_a_full_run(first_run):
