@@ -214,15 +214,21 @@ def score(model, shard_paths: list[str], embed: torch.Tensor, max_k: int, max_to
             "temperatures": {str(t): figures(found.sampled[t], found.owners, found.positions) for t in temperatures}}
 
 
-def run(shard_paths: list[str], draft_dir, output_path, *, target_dir, max_k: int, max_tokens: int,
-        threads: int, device: str = "cpu", temperatures=()) -> None:
+def measure(shard_paths: list[str], draft_dir, *, target_dir, max_k: int, max_tokens: int, threads: int,
+            device: str = "cpu", temperatures=()) -> dict:
+    """score() of the draft in draft_dir on these shards, loaded on `device`."""
     torch.set_num_threads(threads)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("config key evaluate.device is 'cuda' but torch sees no CUDA device; set evaluate.device: cpu")
     model = load_checkpoint(draft_dir).eval().to(device)
     embed = load_embeddings(target_dir).float().to(device)
     head = load_lm_head(target_dir).float().to(device) if temperatures else None
-    result = score(model, shard_paths, embed, max_k, max_tokens, device, head, list(temperatures))
+    return score(model, shard_paths, embed, max_k, max_tokens, device, head, list(temperatures))
+
+
+def run(shard_paths: list[str], draft_dir, output_path, **settings) -> None:
+    """measure() written to output_path (acceptance.json)."""
+    result = measure(shard_paths, draft_dir, **settings)
     write_json(output_path, result)
     log.info("offline acceptance over %d positions: tau %s; outside trailing loops (%.1f %% of starts are in one): %s",
              result["positions"], {k: round(v, 3) for k, v in result["tau"].items()},

@@ -12,7 +12,8 @@ def _load(path):
     return json.loads(Path(path).read_text())
 
 
-def summary(*, target: str, trace_stats, coverage, manifest, train_log, acceptance, output_path, served=None) -> None:
+def summary(*, target: str, trace_stats, coverage, manifest, train_log, acceptance, output_path, served=None,
+            benchmarks=()) -> None:
     stats, cov, man, acc = _load(trace_stats), _load(coverage), _load(manifest), _load(acceptance)
     log = [json.loads(line) for line in Path(train_log).read_text().splitlines() if line.strip()]
     lines = [f"# eaglepipe summary: {target}", "", "## Traces", "",
@@ -43,6 +44,8 @@ def summary(*, target: str, trace_stats, coverage, manifest, train_log, acceptan
                   "| loss | " + " | ".join(f"{v:.3f}" for v in last["loss"]) + " |",
                   "| acc | " + " | ".join(f"{v:.3f}" for v in last["acc"]) + " |"]
     lines += acceptance_section(acc)
+    if benchmarks:
+        lines += benchmarks_section([_load(p) for p in benchmarks])
     if served is not None:
         lines += served_section(_load(served))
     with atomic_path(output_path) as tmp:
@@ -90,6 +93,29 @@ def acceptance_section(acc: dict) -> list[str]:
         for i, b in enumerate(acc["by_position"]):
             taus = [f"{r['by_position'][i]['tau'][str(k)]:.3f}" if b["positions"] else "-" for r in runs.values()]
             lines.append(f"| {bucket_name(b)} | {b['positions']} | " + " | ".join(taus) + " |")
+    return lines
+
+
+def benchmarks_section(results: list[dict]) -> list[str]:
+    """Offline tau per benchmark (benchmarks.score's acceptance.json) at k = position_k, pooled and per request, at
+    T = 0 and each evaluate temperature; then per category, pooled at T = 0."""
+    k = position_k(results[0])
+    temps = list(results[0]["temperatures"])
+    lines = ["", f"## Benchmarks (offline, tau at k = {k})", "",
+             "The target answers every turn after its own earlier answers; the draft is scored on those traces as on "
+             "the eval split. Pooled over verify steps and mean over requests as above.", "",
+             "| benchmark | questions | start positions | T = 0 pooled | T = 0 mean over requests | "
+             + " | ".join(f"T = {t} pooled | T = {t} mean over requests" for t in temps) + " |",
+             "|---|---|---|---|---|" + "---|---|" * len(temps)]
+    for r in results:
+        runs = [r] + [r["temperatures"][t] for t in temps]
+        lines.append(f"| {r['benchmark']} | {r['questions']} | {r['positions']} | "
+                     + " | ".join(f"{x['tau'][str(k)]:.3f} | {x['tau_request_mean'][str(k)]:.3f}" for x in runs) + " |")
+    for r in results:
+        lines += ["", f"{r['benchmark']} by category (T = 0, pooled):", "",
+                  "| category | questions' start positions | tau |", "|---|---|---|"]
+        lines += [f"| {c} | {f['positions'] if f else 0} | {f['tau'][str(k)]:.3f} |" if f else f"| {c} | 0 | - |"
+                  for c, f in r["by_category"].items()]
     return lines
 
 

@@ -8,6 +8,7 @@ rule report:
         train_log=rules.train.output.log,
         acceptance=rules.evaluate.output.acceptance,
         served=rules.bench.output.served,
+        benchmarks=BENCHMARK_ACCEPTANCE,
     output:
         summary="results/report/summary.md",
     params:
