@@ -251,9 +251,94 @@ def evaluate(smk) -> None:
         max_tokens=smk.params.max_tokens,
         threads=smk.threads,
         device=smk.params.device,
+        temperatures=smk.params.temperatures,
         manifest_path=smk.input.manifest,
         remedy=f"retrain it with {rebuild('train')}",
     )
+
+
+def fetch_mtbench(smk) -> None:
+    _start(smk)
+    from . import benchmarks
+
+    benchmarks.fetch_mtbench(smk.output.questions)
+
+
+def benchmark_prompts(smk) -> None:
+    _start(smk)
+    from . import benchmarks
+
+    benchmarks.prompts(smk.input.questions[0], smk.wildcards.bench, smk.output.prompts)
+
+
+def benchmark_contamination(smk) -> None:
+    _start(smk)
+    from . import benchmarks
+
+    benchmarks.check_contamination(smk.params.benchmarks, smk.input.train, smk.output.check,
+                                   threshold=smk.params.threshold)
+
+
+def benchmark_traces(smk) -> None:
+    _start(smk, gpus=True)
+    from . import traces as stage
+
+    g = smk.params.generation
+    stage.run(
+        smk.input.prompts,
+        smk.output.traces,
+        target_dir=smk.input.target,
+        split=smk.wildcards.bench,
+        shard=0,
+        num_shards=1,
+        engine=_engine(smk),
+        sampling={k: g[k] for k in ("max_new_tokens", "temperature", "top_p", "seed")},
+        template_kwargs=g["template_kwargs"],
+        chunk_size=g["chunk_size"],
+        max_error_share=g["max_error_share"],
+        chat_template=smk.params.chat_template,
+        reasoning_markers=smk.params.reasoning,
+        multi_turn="all",  # every turn answered after the target's own earlier answers
+        progress_dir=smk.params.progress,
+    )
+
+
+def benchmark_hidden_states(smk) -> None:
+    _start(smk, gpus=True)
+    from . import hidden_states as stage
+
+    h = smk.params.hidden_states
+    stage.run(
+        smk.input.traces,
+        smk.output.shard,
+        target_dir=smk.input.target,
+        layer_ids=h["aux_layer_ids"],
+        engine=_engine(smk),
+        max_length=h["max_length"],
+        chunk_size=h["chunk_size"],
+        progress_dir=smk.params.progress,
+        record_path=smk.output.record,
+    )
+
+
+def benchmark_evaluate(smk) -> None:
+    _start(smk, gpus=True)
+    from . import benchmarks
+    from . import evaluate as stage
+    from .formats import write_json
+
+    result = stage.measure(
+        [smk.input.shard],
+        Path(smk.input.model).parent,
+        target_dir=smk.input.target,
+        max_k=smk.params.max_k,
+        max_tokens=smk.params.max_tokens,
+        threads=smk.threads,
+        device=smk.params.device,
+        temperatures=smk.params.temperatures,
+        remedy=f"retrain it with {rebuild('train')}",
+    )
+    write_json(smk.output.acceptance, benchmarks.score(result, smk.input.questions[0], smk.wildcards.bench))
 
 
 def bench(smk) -> None:

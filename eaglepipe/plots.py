@@ -80,6 +80,29 @@ def acceptance(acceptance_path, served_path, output_path) -> None:
     _save(fig, output_path)
 
 
+def positions(acceptance_path, output_path) -> None:
+    """Offline tau (pooled, k = report.position_k) per bucket of context position, one line per temperature; the
+    number of start positions of each bucket under its label, empty buckets left out."""
+    from .report import bucket_name, position_k
+
+    acc = _load(acceptance_path)
+    k = position_k(acc)
+    buckets = acc["by_position"]
+    runs = {"0 (greedy)": acc, **{t: r for t, r in acc.get("temperatures", {}).items()}}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = range(len(buckets))
+    for name, r in runs.items():
+        ys = [b["tau"][str(k)] if b["positions"] else float("nan") for b in r["by_position"]]
+        ax.plot(xs, ys, marker="o", label=f"T = {name}: overall {r['tau'][str(k)]:.2f}, "
+                                          f"mean over requests {r['tau_request_mean'][str(k)]:.2f}")
+    ax.set_xticks(list(xs), [f"{bucket_name(b)}\n({b['positions']} starts)" for b in buckets])
+    ax.set(xlabel="position of the first drafted token in its conversation", ylabel=f"tau at k={k} (pooled)",
+           ylim=(1, k + 1), title="Offline acceptance by context position (eval split)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    _save(fig, output_path)
+
+
 def speedup(served_path, output_path) -> None:
     """Output tokens/s without and with the draft at batch 1 and the batched setting, speedup on each bar."""
     served = _load(served_path)
@@ -122,6 +145,7 @@ def run(*, coverage_path, train_log, acceptance_path, served_path, outputs: dict
     coverage(coverage_path, outputs["coverage"])
     training(train_log, outputs["training"])
     acceptance(acceptance_path, served_path, outputs["acceptance"])
+    positions(acceptance_path, outputs["positions"])
     speedup(served_path, outputs["speedup"])
     speedup_table(served_path, outputs["speedup_table"])
 

@@ -12,7 +12,8 @@ def _load(path):
     return json.loads(Path(path).read_text())
 
 
-def summary(*, target: str, trace_stats, coverage, manifest, train_log, acceptance, output_path, served=None) -> None:
+def summary(*, target: str, trace_stats, coverage, manifest, train_log, acceptance, output_path, served=None,
+            benchmarks=()) -> None:
     stats, cov, man, acc = _load(trace_stats), _load(coverage), _load(manifest), _load(acceptance)
     log = [json.loads(line) for line in Path(train_log).read_text().splitlines() if line.strip()]
     lines = [f"# eaglepipe summary: {target}", "", "## Traces", "",
@@ -42,20 +43,92 @@ def summary(*, target: str, trace_stats, coverage, manifest, train_log, acceptan
                   "|---|" + "---|" * len(last["loss"]),
                   "| loss | " + " | ".join(f"{v:.3f}" for v in last["loss"]) + " |",
                   "| acc | " + " | ".join(f"{v:.3f}" for v in last["acc"]) + " |"]
-    outside = acc.get("outside_loops")  # absent from acceptance files made before it existed (bundles)
-    extra = (" tau outside trailing loops |", "---|") if outside else ("", "")
-    lines += ["", "## Offline acceptance (eval split, greedy)", "",
-              f"{acc['positions']} start positions.", "", "| k | tau | P(first k accepted) |" + extra[0],
-              "|---|---|---|" + extra[1]]
-    lines += [f"| {k} | {acc['tau'][str(k)]:.3f} | {acc['per_position'][k - 1]:.3f} |"
-              + (f" {outside['tau'][str(k)]:.3f} |" if outside else "") for k in range(1, acc["max_k"] + 1)]
-    if outside:
-        lines += ["", f"{100 * outside['starts_in_loops']:.1f} % of the start positions draft into the loop their "
-                  "response ends in (repeats a looping target makes trivial to draft); the last column leaves them out."]
+    lines += acceptance_section(acc)
+    if benchmarks:
+        lines += benchmarks_section([_load(p) for p in benchmarks])
     if served is not None:
         lines += served_section(_load(served))
     with atomic_path(output_path) as tmp:
         tmp.write_text("\n".join(lines) + "\n")
+
+
+def acceptance_section(acc: dict) -> list[str]:
+    """Offline tau: greedy per k (pooled and per-request), at each evaluate temperature, and by context position.
+    Keys added later (tau_request_mean, temperatures, by_position) are absent from older files (bundles)."""
+    outside = acc.get("outside_loops")
+    per_request = acc.get("tau_request_mean")
+    extra = ((" tau outside trailing loops |", "---|") if outside else ("", ""))
+    mean = ((" tau, mean over requests |", "---|") if per_request else ("", ""))
+    lines = ["", "## Offline acceptance (eval split, greedy)", "",
+             f"{acc['positions']} start positions" + (f" in {acc['requests']} requests" if per_request else "") + ".",
+             "", "| k | tau, pooled over verify steps |" + mean[0] + " P(first k accepted) |" + extra[0],
+             "|---|---|" + mean[1] + "---|" + extra[1]]
+    lines += [f"| {k} | {acc['tau'][str(k)]:.3f} |" + (f" {per_request[str(k)]:.3f} |" if per_request else "")
+              + f" {acc['per_position'][k - 1]:.3f} |"
+              + (f" {outside['tau'][str(k)]:.3f} |" if outside else "") for k in range(1, acc["max_k"] + 1)]
+    if per_request:
+        lines += ["", "Pooled over verify steps: every start position of every request counts once (vLLM's and "
+                  "SGLang's served figure, accepted tokens over verify steps). Mean over requests: each request's own "
+                  "tau, averaged with equal weight (SpecForge's benchmark figure)."]
+    if outside:
+        lines += ["", f"{100 * outside['starts_in_loops']:.1f} % of the start positions draft into the loop their "
+                  "response ends in (repeats a looping target makes trivial to draft); the last column leaves them out."]
+    temperatures = acc.get("temperatures") or {}
+    if temperatures:
+        runs = {"0": acc, **temperatures}
+        lines += ["", "### At temperature T", "",
+                  "Expected acceptance under vLLM's speculative sampling: the draft proposes its argmax, the target "
+                  "accepts a proposal with its probability of it at T (top-p 1), read from the stored states of the "
+                  "eval traces.", "",
+                  "| k | " + " | ".join(f"T = {t} pooled | T = {t} mean over requests" for t in runs) + " |",
+                  "|---|" + "---|---|" * len(runs)]
+        lines += ["| " + " | ".join([str(k)] + [f"{r['tau'][str(k)]:.3f} | {r['tau_request_mean'][str(k)]:.3f}"
+                                                for r in runs.values()]) + " |" for k in range(1, acc["max_k"] + 1)]
+    if acc.get("by_position"):
+        k = position_k(acc)
+        runs = {"0": acc, **temperatures}
+        lines += ["", f"### By context position (tau at k = {k}, pooled)", "",
+                  "| position of the first drafted token | start positions | "
+                  + " | ".join(f"T = {t}" for t in runs) + " |", "|---|---|" + "---|" * len(runs)]
+        for i, b in enumerate(acc["by_position"]):
+            taus = [f"{r['by_position'][i]['tau'][str(k)]:.3f}" if b["positions"] else "-" for r in runs.values()]
+            lines.append(f"| {bucket_name(b)} | {b['positions']} | " + " | ".join(taus) + " |")
+    return lines
+
+
+def benchmarks_section(results: list[dict]) -> list[str]:
+    """Offline tau per benchmark (benchmarks.score's acceptance.json) at k = position_k, pooled and per request, at
+    T = 0 and each evaluate temperature; then per category, pooled at T = 0."""
+    k = position_k(results[0])
+    temps = list(results[0]["temperatures"])
+    lines = ["", f"## Benchmarks (offline, tau at k = {k})", "",
+             "The target answers every turn after its own earlier answers; the draft is scored on those traces as on "
+             "the eval split. Pooled over verify steps and mean over requests as above.", "",
+             "| benchmark | questions | start positions | T = 0 pooled | T = 0 mean over requests | "
+             + " | ".join(f"T = {t} pooled | T = {t} mean over requests" for t in temps) + " |",
+             "|---|---|---|---|---|" + "---|---|" * len(temps)]
+    for r in results:
+        runs = [r] + [r["temperatures"][t] for t in temps]
+        lines.append(f"| {r['benchmark']} | {r['questions']} | {r['positions']} | "
+                     + " | ".join(f"{x['tau'][str(k)]:.3f} | {x['tau_request_mean'][str(k)]:.3f}" for x in runs) + " |")
+    for r in results:
+        lines += ["", f"{r['benchmark']} by category (T = 0, pooled):", "",
+                  "| category | questions' start positions | tau |", "|---|---|---|"]
+        lines += [f"| {c} | {f['positions'] if f else 0} | {f['tau'][str(k)]:.3f} |" if f else f"| {c} | 0 | - |"
+                  for c, f in r["by_category"].items()]
+    return lines
+
+
+def position_k(acc: dict) -> int:
+    """The draft length of the by-position figures: 3, the field's usual k, or max_k when smaller."""
+    return min(3, int(acc["max_k"]))
+
+
+def bucket_name(bucket: dict) -> str:
+    def short(n):
+        return f"{n // 1024}K" if n and n % 1024 == 0 else str(n)
+
+    return f"{short(bucket['from'])}+" if bucket["to"] is None else f"{short(bucket['from'])}-{short(bucket['to'])}"
 
 
 def served_section(bench: dict) -> list[str]:

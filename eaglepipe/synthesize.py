@@ -209,6 +209,27 @@ class NearDuplicates:
                     buckets.setdefault(key, []).append(i)
         return kept
 
+    def matches(self, queries: list[str], corpus: list[str]) -> list[int | None]:
+        """For each query, the lowest index of a corpus text it is a near-duplicate of (the test keep() applies),
+        None when there is none."""
+        cache: dict[str, int] = {}
+        sets = [shingles(t, cache=cache) for t in corpus + queries]
+        keys = self.band_keys(self.signatures(sets)) if sets else []
+        buckets: dict[int, list[int]] = {}
+        for i in range(len(corpus)):
+            for key in keys[i]:
+                buckets.setdefault(key, []).append(i)
+        out = []
+        for i in range(len(corpus), len(sets)):
+            found = None
+            for j in sorted({j for key in keys[i] for j in buckets.get(key, ())}):
+                common = len(sets[i] & sets[j])
+                if common / (len(sets[i]) + len(sets[j]) - common) >= self.threshold:
+                    found = j
+                    break
+            out.append(found)
+        return out
+
 
 def prompt_id(text: str) -> str:
     return "syn-" + hashlib.sha256(text.encode()).hexdigest()[:16]

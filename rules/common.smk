@@ -1,8 +1,10 @@
 import os
+import re
 import sys
 
 from snakemake.exceptions import WorkflowError
 
+import eaglepipe.benchmarks
 import eaglepipe.bundle
 import eaglepipe.config
 import eaglepipe.estimate

@@ -14,6 +14,7 @@ rule evaluate:
         max_k=config["evaluate"]["max_k"],
         max_tokens=config["evaluate"]["max_batch_tokens"],
         device=config["evaluate"]["device"],
+        temperatures=config["evaluate"]["temperatures"],
     threads: config["evaluate"]["threads"]
     resources:
         gpu=1 if config["evaluate"]["device"].startswith("cuda") else 0,

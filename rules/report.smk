@@ -8,6 +8,7 @@ rule report:
         train_log=rules.train.output.log,
         acceptance=rules.evaluate.output.acceptance,
         served=rules.bench.output.served,
+        benchmarks=BENCHMARK_ACCEPTANCE,
     output:
         summary="results/report/summary.md",
     params:
@@ -40,6 +41,11 @@ rule plots:
         acceptance=report(
             "results/report/acceptance.png",
             caption="../report/acceptance.rst",
+            category="3. Acceptance",
+        ),
+        positions=report(
+            "results/report/positions.png",
+            caption="../report/positions.rst",
             category="3. Acceptance",
         ),
         speedup=report(

@@ -4,7 +4,7 @@ import torch
 
 from eaglepipe.batches import collate, plan, step_inputs
 from eaglepipe.draft import DraftConfig, Eagle3Draft, load_checkpoint, save_checkpoint
-from eaglepipe.evaluate import summarise
+from eaglepipe.evaluate import summarise, survival
 
 H, V, VD = 32, 100, 20
 
@@ -93,7 +93,7 @@ def test_plan_respects_token_budget_and_order():
 
 
 def test_tau_and_per_position_from_accepted_lengths():
-    result = summarise(torch.tensor([0, 1, 3, 3]), 3)
+    result = summarise(survival(torch.tensor([0, 1, 3, 3]), 3))
     assert result["per_position"] == [0.75, 0.5, 0.5]
     assert result["tau"]["1"] == 1.75 and result["tau"]["3"] == 1 + 7 / 4
 

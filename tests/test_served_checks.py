@@ -62,13 +62,14 @@ def test_report_html_embeds_every_plot_with_its_caption(full_run):
     workdir, config = full_run
     snakemake(workdir, config, "--report", str(workdir / "report.html"))
     html = (workdir / "report.html").read_text()
-    for name in ("coverage.png", "training.png", "acceptance.png", "speedup.png", "speedup.tsv"):
+    for name in ("coverage.png", "training.png", "acceptance.png", "positions.png", "speedup.png", "speedup.tsv"):
         assert f"results/report/{name}" in html, name
     pngs = {path: (workdir / "results/report" / path).read_bytes() for path in ("coverage.png", "training.png")}
     assert all(png.startswith(b"\x89PNG") and len(png) > 10_000 for png in pngs.values())
-    assert len(re.findall("iVBORw0KGgo", html)) >= 4  # the four plots embedded as base64 PNG
+    assert len(re.findall("iVBORw0KGgo", html)) >= 5  # the five plots embedded as base64 PNG
     for caption in ("Share of drafts whose first i tokens the target accepted", "one line per unroll step",
-                    "its speedup over no draft", "Share of the generated (loss-masked) tokens"):
+                    "its speedup over no draft", "Share of the generated (loss-masked) tokens",
+                    "Offline acceptance against context position"):
         assert caption in html, caption
     table = (workdir / "results/report/speedup.tsv").read_text().splitlines()
     served = json.loads((workdir / "results/bench/served.json").read_text())

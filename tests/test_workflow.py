@@ -14,6 +14,7 @@ DETERMINISTIC = [
     "results/vocab/vocab_map.safetensors", "results/hidden_states/train/shard-0.safetensors",
     "results/hidden_states/eval/shard-1.safetensors", "results/draft/model.safetensors",
     "results/draft/config.json", "results/draft/train_log.jsonl", "results/eval/acceptance.json",
+    "results/benchmarks/mtbench/traces.parquet", "results/benchmarks/mtbench/acceptance.json",
 ]
 
 
@@ -118,6 +119,8 @@ def test_every_artifact_is_produced_and_consistent(first_run):
     assert log and len(log[-1]["loss"]) == 2 and len(log[-1]["acc"]) == 2
     acceptance = json.loads((workdir / "results/eval/acceptance.json").read_text())
     assert set(acceptance["tau"]) == {"1", "2", "3"} and acceptance["positions"] > 0
+    assert sum(b["positions"] for b in acceptance["by_position"]) == acceptance["positions"]
+    assert set(acceptance["temperatures"]) == {"0.7"} and set(acceptance["tau_request_mean"]) == {"1", "2", "3"}
     served = json.loads((workdir / "results/bench/served.json").read_text())
     k2 = served["k"]["2"]
     same = subset(acceptance, served["served_ids"])  # offline over the conversations served
@@ -135,7 +138,15 @@ def test_every_artifact_is_produced_and_consistent(first_run):
     checks = json.loads((workdir / "results/export/checks.json").read_text())
     assert checks["sglang"]["layer_ids"] == [1, 3, 4] and checks["vllm"]["layer_ids"] == [2, 4, 5]
     assert all((workdir / f"results/report/{n}.png").read_bytes().startswith(b"\x89PNG")
-               for n in ("coverage", "training", "acceptance", "speedup"))
+               for n in ("coverage", "training", "acceptance", "positions", "speedup"))
+    assert "tau, mean over requests" in summary and "T = 0.7 pooled" in summary and "By context position" in summary
+    mtbench = json.loads((workdir / "results/benchmarks/mtbench/acceptance.json").read_text())
+    # hidden_states.max_length 128 here leaves out the conversations whose prompt alone fills it
+    assert mtbench["questions"] == 80 and len(mtbench["by_category"]) == 8 and 0 < mtbench["requests"] <= 80
+    assert sum(f["positions"] for f in mtbench["by_category"].values() if f) == mtbench["positions"] > 0
+    assert f"| mtbench | 80 | {mtbench['positions']} | {mtbench['tau']['3']:.3f} |" in summary
+    turns = read_table(workdir / "results/benchmarks/mtbench/traces.parquet")
+    assert len(turns) == 80 and all(r["turns"] == 2 for r in turns if not r["error"])
 
 
 def test_nothing_to_do_after_a_full_run(first_run):
@@ -161,15 +172,16 @@ def test_scheduling_keys_rerun_nothing(first_run):
 def test_vocab_size_change_reruns_only_vocab_and_what_follows(first_run):
     workdir, config = first_run
     changed = tiny_config(config["target"]["path"], vocab={"draft_vocab_size": 256})
-    assert planned_rules(workdir, changed) == {"vocab", "train", "evaluate", "bench", "report", "export", "plots", "all"}
+    assert planned_rules(workdir, changed) == {"vocab", "train", "evaluate", "benchmark_evaluate", "bench", "report",
+                                               "export", "plots", "all"}
 
 
 def test_layer_id_change_reruns_extraction_but_not_generation(first_run):
     workdir, config = first_run
     changed = tiny_config(config["target"]["path"], hidden_states={"aux_layer_ids": [1, 2, 3], "max_length": 128})
     rules = planned_rules(workdir, changed)
-    assert {"hidden_states", "manifest", "train", "evaluate"} <= rules
-    assert not rules & {"prompts", "traces", "vocab", "trace_stats"}
+    assert {"hidden_states", "manifest", "train", "evaluate", "benchmark_hidden_states", "benchmark_evaluate"} <= rules
+    assert not rules & {"prompts", "traces", "vocab", "trace_stats", "benchmark_traces", "fetch_mtbench"}
 
 
 def test_rebuild_gives_byte_identical_files(first_run, tmp_path):

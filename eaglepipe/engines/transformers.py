@@ -169,13 +169,15 @@ class TransformersEngine(Engine):
             ids[row, width - len(p):] = torch.tensor(p)
             mask[row, width - len(p):] = 1
         greedy = sampling.temperature == 0
-        torch.manual_seed(seed)
-        out = self.model.generate(
-            input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-            max_new_tokens=sampling.max_new_tokens, do_sample=not greedy,
-            temperature=None if greedy else sampling.temperature, top_p=None if greedy else sampling.top_p,
-            top_k=None, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
-        ).cpu()
+        # generate() samples from the global generators: seed them for this batch only, leaving the caller's state
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            out = self.model.generate(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                max_new_tokens=sampling.max_new_tokens, do_sample=not greedy,
+                temperature=None if greedy else sampling.temperature, top_p=None if greedy else sampling.top_p,
+                top_k=None, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
+            ).cpu()
         results = []
         for row, p in enumerate(prompts):
             new = out[row, width:].tolist()

@@ -1,0 +1,3 @@
+from eaglepipe import jobs
+
+jobs.fetch_mtbench(snakemake)
