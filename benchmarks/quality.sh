@@ -22,7 +22,7 @@ cp "$W/results/eval/acceptance.json" "$OUT/quality-acceptance.json"
 cp "$W/results/traces/stats.json" "$OUT/quality-trace-stats.json"
 cp "$W/results/benchmarks/mtbench/acceptance.json" "$OUT/quality-mtbench.json"
 rm -rf "$OUT/draft-bundle"
-python -m eaglepipe.tools.bundle --directory "$W" --out "$OUT/draft-bundle"
+python -m eaglepipe.bundle --directory "$W" --out "$OUT/draft-bundle"
 [ "${SCALING:-1}" = 1 ] || exit 0
 python -m eaglepipe.tools.scaling --directory "$W" --configfile $C --fractions 0.125,0.25,0.5 \
     --json "$OUT/scaling.json" --plot "$OUT/scaling.png"

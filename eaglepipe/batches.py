@@ -50,7 +50,7 @@ class Batch:
         return self.packing.dense_mask()
 
 
-def plan(cu_seqlens: torch.Tensor, max_tokens: int, order: list[int]) -> list[list[int]]:
+def pack(cu_seqlens: torch.Tensor, max_tokens: int, order: list[int]) -> list[list[int]]:
     """Group sequence indices (in the given order) into batches of at most max_tokens tokens."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     batches, current, size = [], [], 0

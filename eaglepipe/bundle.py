@@ -8,7 +8,7 @@ folder. With `bench.draft` set to it, the bench rule serves that draft and nothi
     traces/shard-<i>.parquet         optional: the eval trace shards of results/traces/eval/, for the diagnosis's
                                      "prompt ids the traces used" variant; without them that variant is not tried
 
-`python -m eaglepipe.tools.bundle --directory W --out DIR` makes one from a finished workflow directory W. The bench
+`python -m eaglepipe.bundle --directory W --out DIR` makes one from a finished workflow directory W. The bench
 checks the draft's config.json against the configured target (hidden size, vocabulary, depth, positions, rope)
 before serving it.
 """
@@ -29,7 +29,7 @@ FILES = {
     "eval.parquet": ("prompts", "results/prompts/eval.parquet", "the eval prompts"),
 }
 TRACES = "results/traces/eval"
-MAKE = "python -m eaglepipe.tools.bundle --directory W --out DIR"
+MAKE = "python -m eaglepipe.bundle --directory W --out DIR"
 
 
 def inputs(folder) -> dict:
@@ -104,3 +104,25 @@ def check_fits(draft_dir, target_dir) -> None:
     if wrong:
         raise ValueError(f"{path}: this draft was trained for another target than {target_dir}: " + "; ".join(wrong)
                          + ". Set target.path to the target it was trained for, or bench a draft trained for this one")
+
+
+def main(argv=None) -> None:
+    """python -m eaglepipe.bundle --directory W --out DIR: a bundle of the finished workflow directory W, to bench its
+    draft on another machine with `bench.draft` (config/examples/serve-draft.yaml)."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("--directory", default=".", help="the workflow directory (snakemake --directory); default .")
+    parser.add_argument("--out", required=True, help="the bundle folder to create (must not exist)")
+    args = parser.parse_args(argv)
+    try:
+        out = make(args.directory, args.out)
+    except (FileNotFoundError, FileExistsError) as err:
+        sys.exit(f"error: {err}")
+    names = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    print(f"draft bundle {out}: {', '.join(names)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -33,8 +33,7 @@ from .formats import (
 from .logs import Progress
 from .shard_writer import StreamingShard
 from .target import fingerprint, read_info, resolve_layer_ids
-from .units import Units
-from .units import fingerprint as units_key
+from .resume import Units, resume_key
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +184,7 @@ def run(trace_path, output_path, *, target_dir, layer_ids, engine: dict, max_len
         layer_ids = resolve_layer_ids(layer_ids, info)
         ids, seqs, masks = sequences_of(read_table(trace_path, TRACE_SCHEMA), max_length)
         progress = Progress(f"hidden states {trace_path}", len(seqs), "tok/s")
-        key = units_key(sha256_file(trace_path), fingerprint(target_dir), layer_ids, engine, max_length, chunk_size,
+        key = resume_key(sha256_file(trace_path), fingerprint(target_dir), layer_ids, engine, max_length, chunk_size,
                         dtype, Path(__file__).read_text())
         units = Units(progress_dir or Path(output_path).with_name(f".{Path(output_path).name}.progress"), key,
                       f"hidden states {trace_path}")

@@ -230,7 +230,7 @@ def train(smk) -> None:
             layer_ids=manifest["layer_ids"],
             settings=settings,
             threads=smk.threads,
-            fingerprint_files=[smk.input.manifest, smk.input.vocab],
+            key_files=[smk.input.manifest, smk.input.vocab],
         ),
         stage.processes(settings),
     )

@@ -17,7 +17,7 @@ and Qwen targets). Each sample is then filtered, in this order, and counted unde
 
 Single user turns only: multi-turn synthesis (the target answering, then writing the next user turn) is not built.
 Sampling is seeded per chunk of `chunk_size` requests (the chunk's seed derives from `seed` and the chunk number), so
-the same settings give the same prompts byte for byte, and chunks are the units of resume (eaglepipe/units.py).
+the same settings give the same prompts byte for byte, and chunks are the units of resume (eaglepipe/resume.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import pyarrow as pa
 
 from .formats import stable_hash, write_json, write_table
 from .logs import Progress
-from .units import Units, fingerprint
+from .resume import Units, resume_key
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +294,7 @@ def run(output_prompts, output_counts, *, target_dir, engine: dict, settings: di
     count, chunk_size = settings["count"], settings["chunk_size"]
     chunks = -(-count // chunk_size)
     sampling_keys = ("max_new_tokens", "temperature", "top_p", "seed")
-    key = fingerprint(target_fingerprint(target_dir), engine, {k: settings[k] for k in sampling_keys}, chunk_size,
+    key = resume_key(target_fingerprint(target_dir), engine, {k: settings[k] for k in sampling_keys}, chunk_size,
                       count, prefix, Path(__file__).read_text())
     units = Units(progress_dir or Path(output_prompts).with_name(f".{Path(output_prompts).name}.progress"), key,
                   "synthesize")

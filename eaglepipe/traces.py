@@ -24,7 +24,7 @@ from .formats import (
 )
 from .logs import Progress
 from .target import fingerprint as target_fingerprint
-from .units import Units, fingerprint
+from .resume import Units, resume_key
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def generate(prompts_path, output_path, *, target_dir, split: str, shard: int, n
     rows = []
     progress = Progress(f"traces {split}/shard-{shard}", len(prompts), "tok/s")
     # Chunks are the units of resume: a rerun after a crash regenerates only the chunks not yet stored.
-    key = fingerprint([(r["id"], r["messages"]) for r in prompts], target_fingerprint(target_dir), engine, sampling,
+    key = resume_key([(r["id"], r["messages"]) for r in prompts], target_fingerprint(target_dir), engine, sampling,
                       template_kwargs, template, markers, multi_turn, chunk_size, str(TRACE_SCHEMA),
                       Path(__file__).read_text(), Path(reasoning.__file__).read_text())
     units = Units(progress_dir or Path(output_path).with_name(f".{Path(output_path).name}.progress"), key,

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from . import provenance
 from . import vocab as vocab_map
-from .batches import collate, plan, read_sequences, sequence_lengths, step_inputs, step_mask, targets
+from .batches import collate, pack, read_sequences, sequence_lengths, step_inputs, step_mask, targets
 from .draft import DraftConfig, Eagle3Draft, save_checkpoint
 from .formats import LAYER_CONVENTION, atomic_path, common_dtype
 from .target import fingerprint as target_fingerprint
@@ -44,7 +44,7 @@ from .target import load_embeddings, load_lm_head, read_info
 log = logging.getLogger(__name__)
 
 # Settings that change neither the result nor the schedule: a checkpoint made under other values still applies.
-NOT_FINGERPRINTED = ("threads", "checkpoint_every", "gpus", "processes")
+NOT_IN_RESUME_KEY = ("threads", "checkpoint_every", "gpus", "processes")
 
 
 def lr_at(step: int, total: int, lr: float, warmup: int) -> float:
@@ -202,13 +202,13 @@ def schedule(cu_seqlens: list[torch.Tensor], settings: dict) -> list[tuple[int, 
             perm = torch.randperm(n, generator=rng).tolist()
             if keep is not None:  # the same draws as with all sequences: the full run's order is unchanged
                 perm = [i for i in perm if i in keep[s]]
-            order += [(epoch, s, b) for b in plan(cu_seqlens[s], settings["max_batch_tokens"], perm)]
+            order += [(epoch, s, b) for b in pack(cu_seqlens[s], settings["max_batch_tokens"], perm)]
     return order
 
 
-def fingerprint(settings: dict, world: int, files: list) -> str:
+def resume_key(settings: dict, world: int, files: list) -> str:
     """What a checkpoint must agree with to be resumed: settings, process count, and the input files' bytes."""
-    h = hashlib.sha256(json.dumps([{k: v for k, v in sorted(settings.items()) if k not in NOT_FINGERPRINTED},
+    h = hashlib.sha256(json.dumps([{k: v for k, v in sorted(settings.items()) if k not in NOT_IN_RESUME_KEY},
                                    world], sort_keys=True).encode())
     for path in files:
         h.update(Path(path).read_bytes())  # small files (manifest with the shards' sha256, vocab map)
@@ -224,7 +224,7 @@ def state_hash(model: Eagle3Draft) -> str:
 
 
 def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: list[int], settings: dict,
-        threads: int, fingerprint_files: list = (), progress_dir=None, weights_out=None) -> Eagle3Draft:
+        threads: int, key_files: list = (), progress_dir=None, weights_out=None) -> Eagle3Draft:
     """Train and write model.safetensors, config.json, train_log.jsonl to out_dir (rank 0 only). Under torchrun the
     process group must be initialised; every rank returns the same trained model. weights_out: a folder where each
     rank saves its float32 weights as rank-<r>.pt (to compare ranks and runs)."""
@@ -260,7 +260,7 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
 
     out_dir = Path(out_dir)
     progress_dir = Path(progress_dir) if progress_dir else out_dir / ".progress"
-    key = fingerprint(settings, world, list(fingerprint_files))
+    key = resume_key(settings, world, list(key_files))
     records, step, seen = [], 0, 0
     acc_sum = [[0.0, 0, 0] for _ in range(steps)]  # loss sum, correct, count since the last log line
     resumed = load_progress(progress_dir, key, model, opt)
@@ -380,7 +380,7 @@ def all_sum(t: torch.Tensor, device) -> torch.Tensor:
 def save_progress(folder: Path, key: str, model, opt, **position) -> None:
     """One checkpoint unit, replaced atomically: weights, optimizer, RNG and the position in the schedule (the
     learning-rate schedule is a function of the step)."""
-    unit = {"fingerprint": key, "model": model.state_dict(), "optimizer": opt.state_dict(),
+    unit = {"resume_key": key, "model": model.state_dict(), "optimizer": opt.state_dict(),
             "rng": torch.get_rng_state(), **position}
     with atomic_path(folder / "checkpoint.pt") as tmp:
         torch.save(unit, tmp)
@@ -395,7 +395,7 @@ def load_progress(folder: Path, key: str, model, opt) -> dict | None:
         unit = torch.load(path, weights_only=True)
     except FileNotFoundError:  # another rank discarded a stale checkpoint meanwhile
         return None
-    if unit["fingerprint"] != key:
+    if unit["resume_key"] != key:
         log.info("discarding %s: it was made with other inputs or settings", path)
         path.unlink(missing_ok=True)  # every rank may get here
         return None

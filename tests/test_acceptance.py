@@ -166,7 +166,7 @@ def test_summary_and_position_plot_name_both_means_and_every_temperature(tmp_pat
     assert "tau, pooled over verify steps" in text and "tau, mean over requests" in text
     assert f"| 3 | {acc['tau']['3']:.3f} | {acc['tau_request_mean']['3']:.3f} |" in text
     t07 = acc["temperatures"]["0.7"]
-    assert f"T = 0.7 pooled" in text and f"{t07['tau']['3']:.3f} | {t07['tau_request_mean']['3']:.3f}" in text
+    assert "T = 0.7 pooled" in text and f"{t07['tau']['3']:.3f} | {t07['tau_request_mean']['3']:.3f}" in text
     first, second = acc["by_position"][:2]
     assert f"| 0-512 | {first['positions']} | {first['tau']['3']:.3f} |" in text
     assert f"| 512-1K | {second['positions']} |" in text and "| 4K+ | 0 | - | - |" in text

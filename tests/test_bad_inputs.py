@@ -174,7 +174,7 @@ def test_trace_shard_missing_columns(tmp_path):
     path = tmp_path / "shard-0.parquet"
     pq.write_table(pa.table({"id": ["p0"], "output_ids": [[1, 2]]}), path)
     with pytest.raises(ValueError, match=r"shard-0.parquet: missing columns \[.*'prompt_ids'.*\]; was it written by "
-                                         r"another version\? Delete it and rerun its rule"):
+                                         r"another version\? Rebuild it and what was made from it with `snakemake --cores all --forcerun "):
         read_table(path, TRACE_SCHEMA)
 
 

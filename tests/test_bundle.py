@@ -30,7 +30,7 @@ def fake_run(workdir):
 
 
 def make_bundle(*args):
-    return subprocess.run([sys.executable, "-m", "eaglepipe.tools.bundle", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "eaglepipe.bundle", *map(str, args)],
                           capture_output=True, text=True)
 
 
@@ -78,7 +78,7 @@ def test_an_incomplete_bundle_is_named_before_any_job(tmp_path, remove, message)
     result = snakemake(tmp_path / "served", {"bench": {"draft": str(folder)}}, SERVED, "-n", check=False)
     assert result.returncode != 0
     assert message in result.stdout + result.stderr
-    assert "python -m eaglepipe.tools.bundle --directory W --out DIR" in result.stdout + result.stderr
+    assert "python -m eaglepipe.bundle --directory W --out DIR" in result.stdout + result.stderr
     assert not (tmp_path / "served/results").exists()
 
 

@@ -2,7 +2,7 @@ import json
 
 import torch
 
-from eaglepipe.batches import collate, plan, step_inputs
+from eaglepipe.batches import collate, pack, step_inputs
 from eaglepipe.draft import DraftConfig, Eagle3Draft, load_checkpoint, save_checkpoint
 from eaglepipe.evaluate import summarise, survival
 
@@ -87,9 +87,9 @@ def test_checkpoint_has_the_serving_names_and_round_trips(tmp_path):
     torch.testing.assert_close(loaded.fc.weight, model.fc.weight.to(torch.bfloat16).float())
 
 
-def test_plan_respects_token_budget_and_order():
+def test_pack_respects_token_budget_and_order():
     cu = torch.tensor([0, 5, 9, 20, 22])
-    assert plan(cu, 10, [3, 0, 1, 2]) == [[3, 0], [1], [2]]
+    assert pack(cu, 10, [3, 0, 1, 2]) == [[3, 0], [1], [2]]
 
 
 def test_tau_and_per_position_from_accepted_lengths():

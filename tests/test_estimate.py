@@ -38,7 +38,7 @@ def test_production_config_dry_runs_without_checkpoint_and_prints_the_plan(tmp_p
     info, p, g = KIMI["target"]["info"], KIMI["prompts"], KIMI["generation"]
     tokens = p["max_prompts"] * min(p["max_prompt_tokens"] + g["max_new_tokens"], KIMI["hidden_states"]["max_length"])
     total = tokens * ((len(KIMI["hidden_states"]["aux_layer_ids"]) + 1) * info["hidden_size"] * 2 + 4 + 1)
-    assert f"plan: target 61 layers, hidden 7168, vocab 163840, aux layer ids [2, 30, 58]" in out
+    assert "plan: target 61 layers, hidden 7168, vocab 163840, aux layer ids [2, 30, 58]" in out
     assert f"plan: prompts {p['max_prompts']}; tokens {tokens:,}" in out
     assert f"({total:,} bytes)" in out
     assert f"traces ({shards} jobs x gpu=8), hidden_states ({shards} jobs x gpu=8)" in out

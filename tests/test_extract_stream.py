@@ -14,7 +14,7 @@ from eaglepipe.engines.base import EngineSettings
 from eaglepipe.engines.transformers import _Ring
 from eaglepipe.formats import sha256_tree
 from eaglepipe.hidden_states import extract, runs_of, shard_tensors, write_shard
-from eaglepipe.units import Units
+from eaglepipe.resume import Units
 
 LAYERS = [1, 4, 8]
 

@@ -5,7 +5,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 CLAIM = """
 import sys, time

@@ -17,7 +17,7 @@ import yaml
 from conftest import REPO, generate_mixed, snakemake, tiny_config
 from eaglepipe.formats import TRACE_SCHEMA, read_table, sha256_file
 from eaglepipe.hidden_states import sequences_of
-from eaglepipe.units import Units
+from eaglepipe.resume import Units
 
 TRACES = "results/traces/train/shard-0.parquet"
 HIDDEN = "results/hidden_states/train/shard-0.safetensors"

@@ -38,7 +38,7 @@ def run_kwargs(workdir: Path, target: Path, out: Path, **train_settings) -> dict
     return dict(shard_paths=sorted(map(str, (workdir / "results/hidden_states/train").glob("*.safetensors"))),
                 vocab_path=str(workdir / "results/vocab/vocab_map.safetensors"), out_dir=str(out),
                 target_dir=str(target), layer_ids=json.loads(manifest.read_text())["layer_ids"],
-                settings=cfg["train"], threads=1, fingerprint_files=[str(manifest)], weights_out=str(out / "weights"))
+                settings=cfg["train"], threads=1, key_files=[str(manifest)], weights_out=str(out / "weights"))
 
 
 def test_two_gloo_processes_agree_and_match_one_process(upstream, tiny_target, tmp_path):

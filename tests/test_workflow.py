@@ -193,7 +193,7 @@ def test_rebuild_gives_byte_identical_files(first_run, tmp_path):
 
 @pytest.mark.vllm
 def test_a_bundle_of_the_run_is_served_without_the_pipeline(first_run, tmp_path):
-    """The run's draft bundled (eaglepipe.tools.bundle) and benched in a fresh directory with bench.draft: only the
+    """The run's draft bundled (eaglepipe.bundle) and benched in a fresh directory with bench.draft: only the
     bench runs, serves that draft and compares it with the bundled offline acceptance."""
     workdir, config = first_run
     bundle.make(workdir, tmp_path / "bundle")

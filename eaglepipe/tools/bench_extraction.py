@@ -45,7 +45,7 @@ from ..formats import bytes_per_token as shard_bytes_per_token
 from ..formats import write_hidden_shard
 from ..hidden_states import extract, shard_tensors
 from ..shard_writer import HASH_THREADS, StreamingShard
-from ..units import Units
+from ..resume import Units
 from .limits import commit, describe, disk_write_gb_s, matmul_peak_tflops, sha256_gb_s, sync
 
 PRESETS = {

@@ -2,18 +2,18 @@
 
 import pytest
 
-from eaglepipe.tools import plan
+from eaglepipe.tools import waves as plan_waves
 from conftest import REPO
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("plan")
-    return plan.snakemake_jobs(["-d", str(workdir), "--configfile", str(REPO / "config/examples/h200x8.yaml")], 64)
+    return plan_waves.snakemake_jobs(["-d", str(workdir), "--configfile", str(REPO / "config/examples/h200x8.yaml")], 64)
 
 
 def test_eight_one_gpu_shard_jobs_share_the_node_and_training_takes_it_whole(jobs):
-    waves = plan.waves(jobs, gpus=8, cores=64)
+    waves = plan_waves.waves(jobs, gpus=8, cores=64)
     seen = set()
     for wave in waves:
         assert sum(j.gpus for j in wave) <= 8 and sum(j.threads for j in wave) <= 64
@@ -33,10 +33,10 @@ def test_fewer_gpus_split_the_shards_into_more_waves(jobs):
     import dataclasses
 
     smaller = {k: dataclasses.replace(j, gpus=min(j.gpus, 4)) for k, j in jobs.items()}
-    waves = plan.waves(smaller, gpus=4, cores=64)
+    waves = plan_waves.waves(smaller, gpus=4, cores=64)
     trace_waves = [sum(1 for j in w if j.rule == "traces") for w in waves]
     assert [n for n in trace_waves if n] == [4, 4]
     with pytest.raises(ValueError, match=r"train declares gpu=8, more than the node's 4"):
-        plan.waves(jobs, gpus=4, cores=64)
-    rendered = plan.render(plan.waves(jobs, 8, 64), 8, 64)
+        plan_waves.waves(jobs, gpus=4, cores=64)
+    rendered = plan_waves.render(plan_waves.waves(jobs, 8, 64), 8, 64)
     assert "8/8 GPUs" in rendered and "traces[split=train, i=0]  gpu=1" in rendered

@@ -1,8 +1,8 @@
 """Resume inside a job: completed units of work kept in a progress folder until the job's output is written.
 
 The folder is not a declared Snakemake output (Snakemake deletes those before rerunning an incomplete job), so a
-rerun after a crash finds the units done so far. Units belong to one fingerprint of the job's inputs and settings;
-a folder made under another fingerprint is discarded whole, so a config or input change never reuses stale work.
+rerun after a crash finds the units done so far. Units belong to one key of the job's inputs and settings;
+a folder made under another key is discarded whole, so a config or input change never reuses stale work.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from .formats import atomic_path
 log = logging.getLogger(__name__)
 
 
-def fingerprint(*parts) -> str:
+def resume_key(*parts) -> str:
     """A stable digest of JSON-able parts (settings, input checksums)."""
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -33,7 +33,7 @@ class Units:
     def __init__(self, folder, key: str, what: str):
         self.folder, self.key, self.what = Path(folder), key, what
         self.reused = 0
-        stamp = self.folder / "fingerprint"
+        stamp = self.folder / "key"
         if self.folder.exists() and (not stamp.is_file() or stamp.read_text() != key):
             stale = len(list(self.folder.glob("unit-*.pt")))
             log.info("%s: discarding %d units of earlier work made with other inputs or settings", what, stale)

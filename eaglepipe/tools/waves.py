@@ -1,7 +1,7 @@
 """Which jobs would run side by side on one node: the jobs of a Snakemake dry run, with their threads and GPUs,
 packed into waves the way the local scheduler admits them under `--cores C --resources gpu=G`.
 
-Usage: python -m eaglepipe.tools.plan --gpus 8 --cores 64 [snakemake arguments, e.g. --configfile config/x.yaml]
+Usage: python -m eaglepipe.tools.waves --gpus 8 --cores 64 [snakemake arguments, e.g. --configfile config/x.yaml]
 A wave is the set of jobs running at once when every job of the previous wave has finished: a job enters the first
 wave after all its inputs' jobs, in job-id order, if its GPUs and threads still fit.
 """
