@@ -15,7 +15,7 @@ from conftest import generate_mixed, snakemake, tiny_config
 from eaglepipe import hidden_states, preflight, prompts, traces, vocab
 from eaglepipe.config import ConfigError, load, validate
 from eaglepipe.formats import TRACE_SCHEMA, read_hidden_shard, read_table, sha256_tree, write_table
-from eaglepipe.target import read_info
+from eaglepipe.target import fingerprint, read_info
 
 
 # --- prompts ---------------------------------------------------------------------------------------------------
@@ -181,7 +181,8 @@ def test_trace_shard_missing_columns(tmp_path):
 def test_trace_shard_that_is_not_parquet(tmp_path):
     path = tmp_path / "shard-0.parquet"
     path.write_bytes(b"\0" * 64)
-    with pytest.raises(ValueError, match=r"shard-0.parquet: not a readable Parquet file .* delete it and rerun"):
+    with pytest.raises(ValueError, match=r"shard-0.parquet: not a readable Parquet file .* rebuild it and what was made from it with "
+                                         r"`snakemake --cores all --forcerun .*shard-0.parquet`"):
         read_table(path, TRACE_SCHEMA)
 
 
@@ -198,7 +199,7 @@ def test_trace_token_beyond_the_target_vocabulary(tmp_path):
 
 # --- hidden-state shards ---------------------------------------------------------------------------------------
 
-def shard(tmp_path, change=None, layer_ids=(2, 4, 5)):
+def shard(tmp_path, change=None, layer_ids=(2, 4, 5), target="x"):
     t, h = 6, 8
     tensors = {"input_ids": torch.arange(t, dtype=torch.int32), "loss_mask": torch.ones(t, dtype=torch.uint8),
                "cu_seqlens": torch.tensor([0, t], dtype=torch.int64), "aux": torch.zeros(t, 3, h, dtype=torch.bfloat16),
@@ -207,7 +208,7 @@ def shard(tmp_path, change=None, layer_ids=(2, 4, 5)):
         change(tensors)
     path = tmp_path / f"shard-{len(list(tmp_path.glob('shard-*.safetensors')))}.safetensors"
     meta = {"ids": ["p0"], "layer_ids": list(layer_ids), "layer_convention": "input_of_layer",
-            "target_fingerprint": "x"}
+            "target_fingerprint": target}
     save_file(tensors, str(path), metadata={"eaglepipe": json.dumps(meta, sort_keys=True)})
     return path
 
@@ -233,7 +234,8 @@ def record(path):
 
 
 def test_hidden_shards_with_different_layer_ids(tmp_path, tiny_target):
-    paths = [shard(tmp_path), shard(tmp_path, layer_ids=(1, 4, 5))]
+    target = fingerprint(tiny_target)
+    paths = [shard(tmp_path, target=target), shard(tmp_path, layer_ids=(1, 4, 5), target=target)]
     records = [record(p) for p in paths]
     out = tmp_path / "manifest.json"
     with pytest.raises(ValueError, match=r"shard-1.safetensors: layer ids \[1, 4, 5\] differ from other shards' "
