@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import subprocess
@@ -13,6 +14,25 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
+
+
+def runs_workflow(func) -> bool:
+    """Whether a test or fixture function starts Snakemake (the helper below, or `python -m snakemake`)."""
+    try:
+        source = inspect.getsource(func)
+    except (OSError, TypeError):
+        return False
+    return "snakemake(" in source or '"snakemake"' in source
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that run a workflow, themselves or through a fixture, take minutes: they get the `workflow` marker, so
+    `pytest -m "not workflow and not vllm and not slurm"` runs the rest in a few minutes."""
+    for item in items:
+        funcs = [getattr(item, "function", None)]
+        funcs += [d.func for name in item.fixturenames for d in item._fixtureinfo.name2fixturedefs.get(name, ())]
+        if any(runs_workflow(f) for f in funcs if f is not None):
+            item.add_marker("workflow")
 
 
 @pytest.fixture(scope="session")
