@@ -48,8 +48,8 @@ def sets(names: list[str]) -> dict[str, str]:
             raise BenchmarkError(f"config key evaluate.benchmarks: {entry!r} gives the benchmark name {name!r}; rename "
                                  "the file to letters, digits, '_', '-' and '.'")
         if name in out:
-            raise BenchmarkError(f"config key evaluate.benchmarks: {out[name]!r} and {entry!r} are both named {name!r}; "
-                                 "rename one file")
+            raise BenchmarkError(f"config key evaluate.benchmarks: {out[name]!r} and {entry!r} are both named "
+                                 f"{name!r}; rename one file")
         out[name] = path
     return out
 

@@ -54,7 +54,7 @@ def inputs(folder) -> dict:
 def make(directory, out) -> Path:
     """Copy a finished workflow directory's draft, acceptance, eval prompts and eval traces into a new bundle `out`."""
     directory, out = Path(directory), Path(out)
-    for name, (_, source, what) in FILES.items():
+    for _, source, what in FILES.values():
         if not (directory / source).is_file():
             raise FileNotFoundError(f"{directory / source}: missing ({what}); a draft bundle needs it: run the "
                                     f"workflow there to results/eval/acceptance.json first (snakemake --directory "

@@ -286,7 +286,8 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
 
     def step(self, embeds, hidden, positions, mask, cache):
-        """One unroll step. embeds, hidden [B, T, H] -> (normed output for lm_head, pre-norm hidden for the next step)."""
+        """One unroll step. embeds, hidden [B, T, H] -> (normed output for lm_head, pre-norm hidden for the next
+        step)."""
         layer = self.midlayer
         residual = hidden
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], -1)

@@ -61,9 +61,9 @@ def check(draft_dir, engine: str, *, layer_ids: list[int], target_dir, serving_c
                         f"draft_vocab_size {config.get('draft_vocab_size')}; the vocab map and the config come from "
                         "different runs: retrain or re-export")
     if config.get("max_position_embeddings", 0) < serving_context:
-        problems.append(f"{path}: max_position_embeddings {config.get('max_position_embeddings')} is below the serving "
-                        f"context {serving_context} (export.serving_context); longer prompts would collapse acceptance: "
-                        "set it to at least the serving context")
+        problems.append(f"{path}: max_position_embeddings {config.get('max_position_embeddings')} is below the "
+                        f"serving context {serving_context} (export.serving_context); longer prompts would collapse "
+                        "acceptance: set it to at least the serving context")
     # Normalised as the trainer ropes (rope.py), so equal here means trained as the engine will serve it.
     if rope_parameters(config) != rope_parameters(target.config):
         problems.append(f"{path}: rope settings {rope_parameters(config)} differ from the target's "
@@ -95,7 +95,8 @@ def run(draft_dir, manifest_path, target_dir, sglang_dir, checks_path, *, servin
     (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     checks = {engine: check(folder, engine, layer_ids=layer_ids, target_dir=target_dir, serving_context=serving_context)
               for engine, folder in (("vllm", draft_dir), ("sglang", staging))}
-    problems = [f"{engine} export: {p.replace(str(staging), str(sglang_dir))}" for engine, found in checks.items() for p in found]
+    problems = [f"{engine} export: {p.replace(str(staging), str(sglang_dir))}"
+                for engine, found in checks.items() for p in found]
     if problems:
         shutil.rmtree(staging, ignore_errors=True)
         raise ValueError("draft export check failed:\n  " + "\n  ".join(problems))

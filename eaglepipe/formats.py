@@ -269,7 +269,8 @@ def common_dtype(paths) -> str:
             first, dtype = path, this
         elif this != dtype:
             raise ValueError(f"hidden-state shard {path} holds {this} states but {first} holds {dtype}: one run "
-                             f"takes shards of one hidden_states.dtype; re-extract them all with {rebuild('hidden_states')}")
+                             "takes shards of one hidden_states.dtype; re-extract them all with "
+                             f"{rebuild('hidden_states')}")
     return dtype or "bfloat16"
 
 

@@ -14,7 +14,8 @@ log = logging.getLogger(__name__)
 
 def to_file(path) -> None:
     """Send everything the job prints to `path` (the rule's log): log records with timestamps, warnings, an
-    uncaught error's traceback, the stacks on SIGUSR1, and the output of processes it starts (vLLM's engine and workers)."""
+    uncaught error's traceback, the stacks on SIGUSR1, and the output of processes it starts (vLLM's engine and
+    workers)."""
     if path:
         log_file = open(path, "a", buffering=1)
         os.dup2(log_file.fileno(), 2)  # file descriptor level, so child processes write here too

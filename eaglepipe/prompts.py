@@ -5,11 +5,11 @@ Accepted files: JSONL (one record a line), a JSON array of records (.json, as Sh
     {"messages": [{"role": "user", "content": "..."}, ...]}          OpenAI / UltraChat form
     {"conversations": [{"from": "human", "value": "..."}, ...]}      ShareGPT form
     {"prompt": "..."}                                                 plain form
-An optional "id" (or "prompt_id") is kept; otherwise the id is the content hash. Trailing assistant turns are dropped: the target
-regenerates them (earlier ones stay; generation.multi_turn decides whether they are regenerated too). System turns
-follow prompts.system_policy. Prompts the target wrote itself (eaglepipe/synthesize.py) join the files' prompts
-at prompts.synthesize.share. Split: a record is eval when hash(id) falls below eval_fraction, so adding prompts never moves
-existing ones between splits.
+An optional "id" (or "prompt_id") is kept; otherwise the id is the content hash. Trailing assistant turns are
+dropped: the target regenerates them (earlier ones stay; generation.multi_turn decides whether they are regenerated
+too). System turns follow prompts.system_policy. Prompts the target wrote itself (eaglepipe/synthesize.py) join the
+files' prompts at prompts.synthesize.share. Split: a record is eval when hash(id) falls below eval_fraction, so
+adding prompts never moves existing ones between splits.
 """
 
 from __future__ import annotations

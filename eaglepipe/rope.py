@@ -90,7 +90,8 @@ def build(config: dict, head_dim: int) -> Rope:
     kind = p["rope_type"]
     if kind not in SUPPORTED:
         raise NotImplementedError(f"rope type {kind!r} (rope settings {p}): the draft trainer supports "
-                                  f"{sorted(SUPPORTED)}; add it to eaglepipe/rope.py with a test against vLLM's get_rope")
+                                  f"{sorted(SUPPORTED)}; add it to eaglepipe/rope.py with a test against vLLM's "
+                                  "get_rope")
     unknown = set(p) - NEUTRAL - SUPPORTED[kind]
     if unknown or float(p.get("partial_rotary_factor", 1.0)) != 1.0:
         raise NotImplementedError(f"rope type {kind!r} with keys {sorted(unknown) or ['partial_rotary_factor']} "

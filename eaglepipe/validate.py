@@ -79,7 +79,8 @@ def check_shard(entry: dict, manifest: dict, trace_path, max_length: int) -> Non
         tensors, meta = read_hidden_shard(path, states=False)
     except Exception as err:  # safetensors raises its own types for damaged headers
         raise ShardError(f"{where}: unreadable ({err})") from None
-    if meta.get("layer_ids") != manifest["layer_ids"] or meta.get("target_fingerprint") != manifest["target_fingerprint"]:
+    if (meta.get("layer_ids") != manifest["layer_ids"]
+            or meta.get("target_fingerprint") != manifest["target_fingerprint"]):
         raise ShardError(f"{where}: layer ids {meta.get('layer_ids')} / target {meta.get('target_fingerprint')} "
                          f"differ from the manifest's {manifest['layer_ids']} / {manifest['target_fingerprint']}; "
                          f"re-extract it with {rebuild(path)}")
@@ -129,9 +130,9 @@ def run(manifest_path, trace_paths: dict[str, str], output_path, *, max_length: 
     the manifest (and through it every shard) must name."""
     manifest = json.loads(Path(manifest_path).read_text())
     if target_fingerprint is not None and manifest["target_fingerprint"] != target_fingerprint:
-        raise ShardError(f"{manifest_path}: target_fingerprint {manifest['target_fingerprint']!r} is not the configured "
-                         f"target's {target_fingerprint!r}: the hidden states come from other weights; re-extract "
-                         f"them with {rebuild('hidden_states')}")
+        raise ShardError(f"{manifest_path}: target_fingerprint {manifest['target_fingerprint']!r} is not the "
+                         f"configured target's {target_fingerprint!r}: the hidden states come from other weights; "
+                         f"re-extract them with {rebuild('hidden_states')}")
 
     def one(entry: dict) -> dict:
         name = Path(entry["path"]).relative_to(Path(entry["path"]).parents[1]).with_suffix("").as_posix()

@@ -93,7 +93,8 @@ def snakemake(workdir: Path, config: dict, *args: str, check: bool = True) -> su
            "--configfile", str(REPO / "config" / "config.yaml"), str(cfg)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if check and result.returncode != 0:
-        raise AssertionError(f"snakemake failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+        raise AssertionError(f"snakemake failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
+                             f"{result.stderr[-5000:]}")
     return result
 
 

@@ -111,7 +111,8 @@ JobCompType=jobcomp/filetxt
 JobCompLoc={folder}/jobcomp.txt
 MinJobAge=300
 DefMemPerCPU=1000
-# GPUs from gres.conf (stand-ins unless EAGLEPIPE_TEST_GPU_DEVICES names real ones): GPU requests are scheduled for real.
+# GPUs from gres.conf (stand-ins unless EAGLEPIPE_TEST_GPU_DEVICES names real ones): GPU requests are scheduled
+# for real.
 GresTypes=gpu
 {node.split(" UpTime")[0]} Gres=gpu:{GPUS} State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP

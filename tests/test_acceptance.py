@@ -47,8 +47,9 @@ def shard_of(target, lengths, prompt=4, seed=0) -> dict:
         final.append(seen["final"])
         mask.append((torch.arange(n) >= prompt).to(torch.uint8))
     hook.remove()
-    return {"input_ids": torch.cat(ids).int(), "loss_mask": torch.cat(mask), "cu_seqlens": torch.tensor([0] + lengths).cumsum(0),
-            "aux": torch.cat(aux).bfloat16(), "final": torch.cat(final).bfloat16()}
+    return {"input_ids": torch.cat(ids).int(), "loss_mask": torch.cat(mask),
+            "cu_seqlens": torch.tensor([0] + lengths).cumsum(0), "aux": torch.cat(aux).bfloat16(),
+            "final": torch.cat(final).bfloat16()}
 
 
 def write(tmp_path, shard, ids, name="s") -> list[str]:
@@ -72,11 +73,12 @@ def test_expected_acceptance_equals_a_brute_force_enumeration(tmp_path, world):
 
     batch = collate(shard, [0, 1], 64, torch.float32, "cpu")
     with torch.no_grad():
-        outs = [draft.lm_head(o[0]) for o in draft.unroll(batch.aux, step_inputs(batch, K, embed), batch.positions, batch.packing)]
+        outs = [draft.lm_head(o[0])
+                for o in draft.unroll(batch.aux, step_inputs(batch, K, embed), batch.positions, batch.packing)]
     proposals = torch.stack([o.argmax(-1) for o in outs], 1)  # [T, K] (d2t is the identity)
     for t in temperatures:
         expected, starts = {k: 0.0 for k in range(1, K + 1)}, 0
-        for s, (a, n) in enumerate(zip(shard["cu_seqlens"].tolist(), lengths)):
+        for a, n in zip(shard["cu_seqlens"].tolist(), lengths):
             for i in range(a + 4 - 2, a + n - 1 - K):  # first drafted token i+2 in the response, all K inside
                 probs = [torch.softmax(target.lm_head(shard["final"][i + 1 + j].float()).detach().double() / t, -1)
                          for j in range(K)]
@@ -110,7 +112,8 @@ def test_position_buckets_sum_back_to_the_overall_tau(tmp_path, world):
     edges = list(POSITION_BUCKETS) + [1 << 30]
     for figs in (result, result["temperatures"]["0.7"]):
         buckets = figs["by_position"]
-        assert [(b["from"], b["to"]) for b in buckets] == list(zip(POSITION_BUCKETS, list(POSITION_BUCKETS[1:]) + [None]))
+        assert [(b["from"], b["to"]) for b in buckets] == list(zip(POSITION_BUCKETS,
+                                                                     list(POSITION_BUCKETS[1:]) + [None]))
         for b, lo, hi in zip(buckets, edges, edges[1:]):
             # first drafted positions p = t + 2 run over [4, n - K] in a sequence of n tokens with a 4-token prompt
             assert b["positions"] == sum(max(0, min(hi, n - K + 1) - max(lo, 4)) for n in lengths)

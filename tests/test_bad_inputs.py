@@ -174,15 +174,16 @@ def test_trace_shard_missing_columns(tmp_path):
     path = tmp_path / "shard-0.parquet"
     pq.write_table(pa.table({"id": ["p0"], "output_ids": [[1, 2]]}), path)
     with pytest.raises(ValueError, match=r"shard-0.parquet: missing columns \[.*'prompt_ids'.*\]; was it written by "
-                                         r"another version\? Rebuild it and what was made from it with `snakemake --cores all --forcerun "):
+                                         r"another version\? Rebuild it and what was made from it with "
+                                         r"`snakemake --cores all --forcerun "):
         read_table(path, TRACE_SCHEMA)
 
 
 def test_trace_shard_that_is_not_parquet(tmp_path):
     path = tmp_path / "shard-0.parquet"
     path.write_bytes(b"\0" * 64)
-    with pytest.raises(ValueError, match=r"shard-0.parquet: not a readable Parquet file .* rebuild it and what was made from it with "
-                                         r"`snakemake --cores all --forcerun .*shard-0.parquet`"):
+    with pytest.raises(ValueError, match=r"shard-0.parquet: not a readable Parquet file .* rebuild it and what was "
+                                         r"made from it with `snakemake --cores all --forcerun .*shard-0.parquet`"):
         read_table(path, TRACE_SCHEMA)
 
 

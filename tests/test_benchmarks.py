@@ -37,7 +37,8 @@ def test_tampered_or_missing_mtbench_file_names_the_wheel_and_the_hash(mtbench, 
         benchmarks.read_questions(missing, "mtbench")
     tampered = tmp_path / "mtbench.jsonl"
     tampered.write_bytes(mtbench.read_bytes().replace(b"Hawaii", b"Hawai'i"))
-    with pytest.raises(BenchmarkError, match=rf"has sha256 [0-9a-f]{{64}}, expected {MTBENCH_SHA256}.*{MTBENCH_PACKAGE}"):
+    with pytest.raises(BenchmarkError,
+                       match=rf"has sha256 [0-9a-f]{{64}}, expected {MTBENCH_SHA256}.*{MTBENCH_PACKAGE}"):
         benchmarks.read_questions(tampered, "mtbench")
     # the wheel's file differs from the pinned hash (an upstream change): refused, nothing left at the output path
     monkeypatch.setattr(benchmarks, "MTBENCH_SHA256", "0" * 64)

@@ -58,9 +58,11 @@ def test_real_run_without_checkpoint_fails_clearly(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ({"target": {"info": {"num_layers": 9, "hidden_size": 128, "vocab_size": 49152}}},
      "config key target.info disagrees with .*: num_layers is 9 in config but 8 in the checkpoint"),
-    ({"hidden_states": {"aux_layer_ids": [2, 4, 9]}}, r"aux_layer_ids: \[2, 4, 9\] must be 3 increasing ids in \[0, 7\]"),
+    ({"hidden_states": {"aux_layer_ids": [2, 4, 9]}},
+     r"aux_layer_ids: \[2, 4, 9\] must be 3 increasing ids in \[0, 7\]"),
     ({"prompts": {"system_policy": "replace"}}, "system_policy is 'replace' but prompts.system_prompt is null"),
-    ({"target": {"chat_template": "/no/such.jinja"}}, "config key target.chat_template: '/no/such.jinja' is not a file"),
+    ({"target": {"chat_template": "/no/such.jinja"}},
+     "config key target.chat_template: '/no/such.jinja' is not a file"),
 ], ids=["info-mismatch", "layer-beyond-depth", "replace-without-text", "missing-template"])
 def test_bad_target_settings_are_named_at_parse_time(tmp_path, tiny_target, override, message):
     result = snakemake(tmp_path, tiny_config(tiny_target, **override), "-n", check=False)

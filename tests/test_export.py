@@ -1,4 +1,5 @@
-"""Draft exports for vLLM and SGLang: each engine's layer-id convention, and the config check catching planted faults."""
+"""Draft exports for vLLM and SGLang: each engine's layer-id convention, and the config check catching planted
+faults."""
 
 import importlib.util
 import json
@@ -52,7 +53,8 @@ def test_sglang_export_numbers_layers_as_outputs_and_keeps_the_weights(draft, ti
 
 
 def shift_ids(c):
-    c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [k + 1 for k in c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+    eagle = c["eagle_config"]
+    eagle["eagle_aux_hidden_state_layer_ids"] = [k + 1 for k in eagle["eagle_aux_hidden_state_layer_ids"]]
 
 
 @pytest.mark.parametrize("change, context, message", [
@@ -78,7 +80,8 @@ def test_sglang_check_catches_vllm_numbering(draft, tiny_target):
                             serving_context=2048)
     assert len(problems) == 1 and "sglang numbers as [1, 3, 4] (output_of_layer)" in problems[0]
     assert "differ by +1 each" in problems[0]
-    assert export.check(draft / "draft", "vllm", layer_ids=LAYER_IDS, target_dir=tiny_target, serving_context=2048) == []
+    assert export.check(draft / "draft", "vllm", layer_ids=LAYER_IDS, target_dir=tiny_target,
+                        serving_context=2048) == []
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
@@ -88,7 +91,8 @@ def test_sglang_loads_the_export_and_keeps_greedy_output(draft, tiny_target):
     import sglang
 
     run_export(draft, tiny_target)
-    prompt = {"input_ids": [1, 28, 1456, 314, 260, 3575, 282], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    prompt = {"input_ids": [1, 28, 1456, 314, 260, 3575, 282],
+              "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
     plain = sglang.Engine(model_path=str(tiny_target), device="cpu", random_seed=0)
     try:
         expected = plain.generate(**prompt)["output_ids"]

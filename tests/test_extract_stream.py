@@ -173,9 +173,9 @@ def test_runs_merge_sequences_that_follow_each_other():
 
 
 def test_a_sequence_cut_shorter_than_its_trace_keeps_a_mask_of_its_own_length():
-    """A trace whose loss span reaches past the tokens kept (a response cut to fewer tokens, or hidden_states.max_length)
-    gets a mask as long as its tokens: slice assignment past the end would lengthen the list and the shard's
-    loss_mask would no longer match its input_ids."""
+    """A trace whose loss span reaches past the tokens kept (a response cut to fewer tokens, or
+    hidden_states.max_length) gets a mask as long as its tokens: slice assignment past the end would lengthen the
+    list and the shard's loss_mask would no longer match its input_ids."""
     from eaglepipe.hidden_states import loss_mask, sequences_of, shard_tensors
 
     assert loss_mask([3, 10], 6) == [0, 0, 0, 1, 1, 1] and loss_mask([8, 10], 6) == [0] * 6

@@ -72,7 +72,8 @@ def ours(rope: Rope, q: torch.Tensor, k: torch.Tensor):
 
 def qk(seed=0):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(len(POSITIONS), HEADS * HEAD_DIM, generator=g), torch.randn(len(POSITIONS), HEAD_DIM, generator=g)
+    return (torch.randn(len(POSITIONS), HEADS * HEAD_DIM, generator=g),
+            torch.randn(len(POSITIONS), HEAD_DIM, generator=g))
 
 
 def vllm_rope(folder):

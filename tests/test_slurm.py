@@ -52,7 +52,8 @@ def test_workflow_runs_to_completion_through_slurm_jobs(tmp_path, tiny_target):
         assert records[job]["state"] == "COMPLETED" and records[job]["exit"] == "0:0", records[job]
     train_job = next(job for job, rule in submitted.items() if rule == "train")
     train_shown = next(line for line in shown.splitlines() if line.startswith(f"JobId={train_job} "))
-    print("  train job as scontrol shows it:", " ".join(re.findall(r"(?:NumTasks|TresPerJob|AllocTRES)=\S+", train_shown)))
+    print("  train job as scontrol shows it:",
+          " ".join(re.findall(r"(?:NumTasks|TresPerJob|AllocTRES)=\S+", train_shown)))
     assert f"TresPerJob=gres:gpu:{slurm_cluster.GPUS}" in train_shown and "NumTasks=1 " in train_shown, train_shown
     log = (workdir / "logs/train.log").read_text()
     # One task: the rule ran once, and its one torchrun started both ranks, which ended with the same weights.

@@ -9,7 +9,8 @@ from conftest import REPO
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("plan")
-    return plan_waves.snakemake_jobs(["-d", str(workdir), "--configfile", str(REPO / "config/examples/h200x8.yaml")], 64)
+    return plan_waves.snakemake_jobs(["-d", str(workdir), "--configfile", str(REPO / "config/examples/h200x8.yaml")],
+                                     64)
 
 
 def test_eight_one_gpu_shard_jobs_share_the_node_and_training_takes_it_whole(jobs):

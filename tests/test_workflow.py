@@ -57,13 +57,14 @@ def test_rescoring_a_bundle_here_reproduces_the_runs_per_conversation_acceptance
     bundle.make(workdir, tmp_path / "bundle")
     result = rescore.main(["--bundle", str(tmp_path / "bundle"), "--target", config["target"]["path"],
                            "--engine", "transformers", "--threads", "1", "--max-length", "128",
-                           "--max-prompts", str(config["bench"]["max_prompts"]), "--also", str(workdir / "results/draft"),
-                           "--out", str(tmp_path / "r.json")])
+                           "--max-prompts", str(config["bench"]["max_prompts"]),
+                           "--also", str(workdir / "results/draft"), "--out", str(tmp_path / "r.json")])
     acceptance = json.loads((workdir / "results/eval/acceptance.json").read_text())
     served = json.loads((workdir / "results/bench/served.json").read_text())
     assert sorted(result["by_sequence"]) == sorted(served["served_ids"])
     assert result["by_sequence"] == {i: acceptance["by_sequence"][i] for i in served["served_ids"]}
-    assert result["tau"] == subset(acceptance, served["served_ids"])["tau"] and result["bundle_tau"] == acceptance["tau"]
+    assert result["tau"] == subset(acceptance, served["served_ids"])["tau"]
+    assert result["bundle_tau"] == acceptance["tau"]
     assert json.loads((tmp_path / "r.json").read_text())["rescored"]["engine"] == "transformers"
     # --also: another draft on the same hidden states (here the bundle's own, so the same figures); a draft of other
     # aux layers is refused before any work, naming its config
@@ -227,7 +228,8 @@ def test_bad_prompt_file_fails_the_rule_and_leaves_no_output(tmp_path, tiny_targ
     [
         ({"vocab": {"draft_vocab_sise": 10}}, "config key vocab.draft_vocab_sise: unknown key"),
         ({"train": {"epochs": "two"}}, "config key train.epochs: 'two' is not of type 'integer'"),
-        ({"target": {"path": "/no/such/checkpoint"}}, "config key target.path: '/no/such/checkpoint' is not a checkpoint"),
+        ({"target": {"path": "/no/such/checkpoint"}},
+         "config key target.path: '/no/such/checkpoint' is not a checkpoint"),
     ],
     ids=["unknown-key", "wrong-type", "missing-target"],
 )

@@ -12,11 +12,15 @@ COMMON = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, max_posi
 
 # A thinking template in the style of Qwen3 / Kimi-K2.5: the generation prompt pre-fills <think> unless thinking is
 # off; assistant turns of the history are rendered with their reasoning.
-THINKING_TEMPLATE = """{%- for m in messages -%}
-<|im_start|> {{ m.role }} {% if m.role == 'assistant' %}<think> {{ m.reasoning_content | default('') }} </think> {% endif %}{{ m.content }} <|im_end|>
-{% endfor -%}
-{%- if add_generation_prompt -%}<|im_start|> assistant {% if enable_thinking is defined and not enable_thinking %}<think> </think> {% else %}<think> {% endif %}{%- endif -%}
-"""
+THINKING_TEMPLATE = (
+    "{%- for m in messages -%}\n"
+    "<|im_start|> {{ m.role }} {% if m.role == 'assistant' %}<think> {{ m.reasoning_content | default('') }} </think> "
+    "{% endif %}{{ m.content }} <|im_end|>\n"
+    "{% endfor -%}\n"
+    "{%- if add_generation_prompt -%}<|im_start|> assistant "
+    "{% if enable_thinking is defined and not enable_thinking %}<think> </think> {% else %}<think> {% endif %}"
+    "{%- endif -%}\n"
+)
 WORDS = ["alpha", "beta", "gamma", "delta", "think", "answer", "so", "then", "yes", "no", "maybe", "because",
          "hello", "world", "sum", "two", "three", "five", "what", "is", "the", "of", "and", "a"]
 

@@ -109,7 +109,8 @@ def kernels(backend) -> Kernels:
     """The elementwise steps compiled by backend ("inductor" on CUDA: each a single generated kernel, so no
     intermediate round trip through memory; the token axis symbolic, so a new batch size compiles nothing), or eager
     (None). fullgraph: a step that cannot be traced whole fails at its first call instead of running half eager."""
-    steps = ((_add_norm, 2), (_norm_rope, 3), (_swiglu, 2))  # each step and how many leading tensors have the token axis
+    # each step and how many leading tensors have the token axis
+    steps = ((_add_norm, 2), (_norm_rope, 3), (_swiglu, 2))
     if backend is None:
         return Kernels(*(step for step, _ in steps))
     return Kernels(*(_token_axis_dynamic(step, backend, n) for step, n in steps))
@@ -382,7 +383,8 @@ class Decoder:
         return 2 * len(self.layers) * self.kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: list[int], pad_id: int,
-                 temperature: float, top_p: float, seed: int, prefill_tokens: int = 65536) -> list[tuple[list[int], str]]:
+                 temperature: float, top_p: float, seed: int,
+                 prefill_tokens: int = 65536) -> list[tuple[list[int], str]]:
         """One batch: (new token ids, finish reason) per prompt; an end token is kept and ends its row."""
         device, rows = self.device, len(prompts)
         width = max(len(p) for p in prompts)

