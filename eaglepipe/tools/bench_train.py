@@ -151,7 +151,8 @@ def measure(config: DraftConfig, device: torch.device, batch, ttt_steps: int, st
     sync(device)
     seconds = (time.perf_counter() - start) / steps
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else float("nan")
-    model = opt = objective = embed = params = step = None  # the closure holds them too: free them before measuring the next
+    # the closure holds them too: free them before the next measurement
+    model = opt = objective = embed = params = step = None
     free(device)
     return {"precision": precision, "attention": attention, "loss": loss, "ms_per_step": 1000 * seconds,
             "tok_s": batch.tokens / seconds, "peak_gib": peak / 2 ** 30, "peak_bytes_per_token": peak / batch.tokens,
