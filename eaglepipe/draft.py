@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .formats import atomic_path
+from .formats import LAYER_CONVENTION, atomic_path
 from .rope import KEYS as ROPE_KEYS
 from .rope import build as build_rope
 from .rope import parameters as rope_parameters
@@ -80,7 +80,7 @@ class DraftConfig:
             "target_hidden_size": self.target_hidden_size, "max_position_embeddings": self.max_position_embeddings,
             "rms_norm_eps": self.rms_norm_eps, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": self.aux_layer_ids, "use_aux_hidden_state": True},
-            "eaglepipe": {"layer_convention": "input_of_layer", "rope_theta": self.rope_theta},
+            "eaglepipe": {"layer_convention": LAYER_CONVENTION, "rope_theta": self.rope_theta},
             **self.target_rope,
         }
 

@@ -16,14 +16,14 @@ from pathlib import Path
 from safetensors import safe_open
 
 from . import provenance
-from .formats import atomic_path, write_json
+from .formats import LAYER_CONVENTION, atomic_path, write_json
 from .rope import parameters as rope_parameters
 from .target import read_info
 
 log = logging.getLogger(__name__)
 
 # Offset from the pipeline's "input of layer k" ids to each engine's, and the engine's words for its convention.
-CONVENTIONS = {"vllm": (0, "input_of_layer"), "sglang": (-1, "output_of_layer")}
+CONVENTIONS = {"vllm": (0, LAYER_CONVENTION), "sglang": (-1, "output_of_layer")}
 
 
 def engine_layer_ids(layer_ids: list[int], engine: str) -> list[int]:
