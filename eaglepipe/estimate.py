@@ -11,13 +11,10 @@ import json
 from pathlib import Path
 
 from .formats import bytes_per_token
-from .target import TargetInfo, read_info
-
-# SmolLM2-135M, the embedded default, before the target rule has fetched it.
-EMBEDDED_INFO = {"num_layers": 30, "hidden_size": 576, "vocab_size": 49152}
+from .target import EMBEDDED_DIR, EMBEDDED_INFO, TargetInfo, read_info
 
 
-def target_facts(config: dict, embedded_dir="resources/targets/smollm2-135m") -> dict:
+def target_facts(config: dict, embedded_dir=EMBEDDED_DIR) -> dict:
     """Depth, hidden size and vocab of the target: from its config.json when present, else from target.info (or
     the embedded default's known figures). A checkpoint that disagrees with target.info is an error."""
     path = config["target"]["path"] or embedded_dir

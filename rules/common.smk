@@ -11,7 +11,7 @@ import eaglepipe.estimate
 import eaglepipe.preflight
 import eaglepipe.target
 
-EMBEDDED_TARGET = "resources/targets/smollm2-135m"
+EMBEDDED_TARGET = eaglepipe.target.EMBEDDED_DIR
 SCHEMA = workflow.source_path("../config/schema.yaml")
 
 # The one check of the configuration (eaglepipe.preflight.check_workflow), before anything else reads it.
