@@ -96,7 +96,6 @@ def prompts(smk) -> None:
 def traces(smk) -> None:
     _start(smk, gpus=True)
     from . import preflight
-    from . import traces as stage
 
     g = smk.params.generation
     shard = int(smk.wildcards.i)
@@ -109,13 +108,22 @@ def traces(smk) -> None:
         what="trace shards",
         gpus=smk.resources.gpu,
     )
+    _generate(smk, smk.output.shard, split=smk.wildcards.split, shard=shard, num_shards=g["num_shards"],
+              multi_turn=g["multi_turn"])
+
+
+def _generate(smk, output_path, *, split: str, shard: int, num_shards: int, multi_turn: str) -> None:
+    """The trace stage of the job's rule (traces, benchmark_traces) on its prompts into output_path."""
+    from . import traces as stage
+
+    g = smk.params.generation
     stage.run(
         smk.input.prompts,
-        smk.output.shard,
+        output_path,
         target_dir=smk.input.target,
-        split=smk.wildcards.split,
+        split=split,
         shard=shard,
-        num_shards=g["num_shards"],
+        num_shards=num_shards,
         engine=_engine(smk),
         sampling={k: g[k] for k in ("max_new_tokens", "temperature", "top_p", "seed")},
         template_kwargs=g["template_kwargs"],
@@ -123,7 +131,7 @@ def traces(smk) -> None:
         max_error_share=g["max_error_share"],
         chat_template=smk.params.chat_template,
         reasoning_markers=smk.params.reasoning,
-        multi_turn=g["multi_turn"],
+        multi_turn=multi_turn,
         progress_dir=smk.params.progress,
     )
 
@@ -153,7 +161,6 @@ def vocab(smk) -> None:
 
 def hidden_states(smk) -> None:
     _start(smk, gpus=True)
-    from . import hidden_states as stage
     from . import preflight
     from .target import read_info
 
@@ -169,15 +176,23 @@ def hidden_states(smk) -> None:
         gpus=smk.resources.gpu,
         resume_copy=False,  # extraction resumes from its partial shard, not from a copy of the rows
     )
+    _extract(smk, smk.output.shard, dtype=h["dtype"])
+
+
+def _extract(smk, output_path, *, dtype: str) -> None:
+    """The hidden-state stage of the job's rule (hidden_states, benchmark_hidden_states) on its traces."""
+    from . import hidden_states as stage
+
+    h = smk.params.hidden_states
     stage.run(
         smk.input.traces,
-        smk.output.shard,
+        output_path,
         target_dir=smk.input.target,
         layer_ids=h["aux_layer_ids"],
         engine=_engine(smk),
         max_length=h["max_length"],
         chunk_size=h["chunk_size"],
-        dtype=h["dtype"],
+        dtype=dtype,
         progress_dir=smk.params.progress,
         record_path=smk.output.record,
     )
@@ -281,44 +296,13 @@ def benchmark_contamination(smk) -> None:
 
 def benchmark_traces(smk) -> None:
     _start(smk, gpus=True)
-    from . import traces as stage
-
-    g = smk.params.generation
-    stage.run(
-        smk.input.prompts,
-        smk.output.traces,
-        target_dir=smk.input.target,
-        split=smk.wildcards.bench,
-        shard=0,
-        num_shards=1,
-        engine=_engine(smk),
-        sampling={k: g[k] for k in ("max_new_tokens", "temperature", "top_p", "seed")},
-        template_kwargs=g["template_kwargs"],
-        chunk_size=g["chunk_size"],
-        max_error_share=g["max_error_share"],
-        chat_template=smk.params.chat_template,
-        reasoning_markers=smk.params.reasoning,
-        multi_turn="all",  # every turn answered after the target's own earlier answers
-        progress_dir=smk.params.progress,
-    )
+    # every turn answered after the target's own earlier answers
+    _generate(smk, smk.output.traces, split=smk.wildcards.bench, shard=0, num_shards=1, multi_turn="all")
 
 
 def benchmark_hidden_states(smk) -> None:
     _start(smk, gpus=True)
-    from . import hidden_states as stage
-
-    h = smk.params.hidden_states
-    stage.run(
-        smk.input.traces,
-        smk.output.shard,
-        target_dir=smk.input.target,
-        layer_ids=h["aux_layer_ids"],
-        engine=_engine(smk),
-        max_length=h["max_length"],
-        chunk_size=h["chunk_size"],
-        progress_dir=smk.params.progress,
-        record_path=smk.output.record,
-    )
+    _extract(smk, smk.output.shard, dtype="bfloat16")  # one small shard: kept exact whatever hidden_states.dtype
 
 
 def benchmark_evaluate(smk) -> None:
