@@ -81,13 +81,13 @@ def output_settings(config: dict, section: str, schema_path=SCHEMA) -> dict:
 
 
 def variant_settings(config: dict, schema_path=SCHEMA) -> dict[str, dict]:
-    """Per variant of train.variants, in the config's order, its training job's settings: train's output settings
+    """Per variant of train.variants, in the order of their names, its training job's settings: train's output settings
     with the variant's overrides, each checked against train's schema; ConfigError naming the variant and key."""
     schema = yaml.safe_load(Path(schema_path).read_text())["properties"]["train"]["properties"]
     scheduling = scheduling_keys(schema_path)["train"]
     base = output_settings(config, "train", schema_path)
     out = {}
-    for name, overrides in config["train"].get("variants", {}).items():
+    for name, overrides in sorted(config["train"].get("variants", {}).items()):
         for key, value in overrides.items():
             where = f"config key train.variants.{name}.{key}"
             if key in scheduling:

@@ -220,7 +220,8 @@ def train(smk) -> None:
 
     validate.verify_shards(smk.input.manifest, smk.input.shards, smk.threads)
     manifest = json.loads(Path(smk.input.manifest).read_text())
-    settings = _settings(smk, "train")
+    # The variants are jobs of their own (rule train_variant); a variant's params are its whole settings.
+    settings = {k: v for k, v in _settings(smk, "train").items() if k != "variants"}
     stage.launch(
         dict(
             shard_paths=list(smk.input.shards),
@@ -234,6 +235,35 @@ def train(smk) -> None:
         ),
         stage.processes(settings),
     )
+
+
+def select_variant(smk) -> None:
+    _start(smk)
+    from . import variants
+
+    variants.select(
+        smk.params.variants,
+        list(smk.input.acceptance),
+        {"config": list(smk.input.config), "model": list(smk.input.model), "log": list(smk.input.train_log)},
+        {"config": smk.output.config, "model": smk.output.model, "log": smk.output.log},
+    )
+
+
+def variants(smk) -> None:
+    _start(smk)
+    from . import plots
+    from . import variants as stage
+
+    stage.compare(
+        list(smk.params.overrides),
+        smk.params.overrides,
+        acceptance=list(smk.input.acceptance),
+        train_log=list(smk.input.train_log),
+        seconds=list(smk.input.seconds),
+        benchmarks=list(smk.input.benchmarks),
+        output_path=smk.output.table,
+    )
+    plots.variants(smk.output.table, smk.output.plot)
 
 
 def evaluate(smk) -> None:
