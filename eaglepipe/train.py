@@ -311,7 +311,8 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
         torch.cuda.set_device(device)
     info = read_info(target_dir)
     vocab = vocab_map.load(vocab_path)
-    config = DraftConfig.from_target(info.config, draft_vocab_size=int(vocab["d2t"].numel()), aux_layer_ids=layer_ids)
+    config = DraftConfig.from_target(info.config, draft_vocab_size=int(vocab["d2t"].numel()), aux_layer_ids=layer_ids,
+                                     fc_norm=settings.get("fc_norm", False))
     draft_head = load_lm_head(target_dir)[vocab["draft_ids"]].float()  # the target's head, draft-vocab rows
     model = init_draft(config, vocab, draft_head, settings["seed"]).to(device)
     draft_head = draft_head.to(device)

@@ -172,3 +172,44 @@ def test_variant_settings_are_the_recipe_with_the_overrides_and_no_scheduling_ke
     assert settings["a"] == cfg.output_settings(config, "train") and "variants" not in settings["a"]
     assert settings["b"] == {**settings["a"], "ttt_decay": 0.5} and settings["b"]["lr"] == 2e-3
     assert not {"threads", "gpus", "processes", "checkpoint_every"} & settings["a"].keys()
+
+
+def test_fc_norm_norms_each_aux_layer_before_fc_and_round_trips_in_vllms_names(tmp_path):
+    from eaglepipe.batches import collate, step_inputs
+    from eaglepipe.draft import DraftConfig, Eagle3Draft, load_checkpoint, save_checkpoint
+    from test_draft import V, fake_shard
+
+    target = {"hidden_size": H, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 8, "vocab_size": V, "max_position_embeddings": 512, "rms_norm_eps": 1e-6}
+    assert "fc_norm" not in DraftConfig.from_target(target, draft_vocab_size=VD, aux_layer_ids=[1, 2, 3]).to_hf()
+    config = DraftConfig.from_target(target, draft_vocab_size=VD, aux_layer_ids=[1, 2, 3], fc_norm=True)
+    assert config.to_hf()["fc_norm"] is True and DraftConfig.from_hf(config.to_hf()) == config
+    torch.manual_seed(0)
+    model = Eagle3Draft(config)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    plain = Eagle3Draft(DraftConfig.from_target(target, draft_vocab_size=VD, aux_layer_ids=[1, 2, 3]))
+    plain.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("fc_norm.")})
+
+    shard = fake_shard([7, 5])
+    batch = collate(shard, [0, 1], 10_000, torch.float32, "cpu")
+    embed = torch.randn(V, H, generator=torch.Generator().manual_seed(1))
+
+    def first_step(m, aux):
+        with torch.no_grad():
+            return next(m.unroll(aux, step_inputs(batch, 1, embed), batch.positions, batch.packing))
+
+    chunks = batch.aux.chunk(3, -1)
+    normed = torch.cat([c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-6) * model.fc_norm[i].weight
+                        for i, c in enumerate(chunks)], -1)
+    torch.testing.assert_close(first_step(model, batch.aux), first_step(plain, normed))
+    # each layer normed on its own: one layer's scale does not change the draft
+    scaled = torch.cat([chunks[0] * 50, chunks[1], chunks[2]], -1)
+    torch.testing.assert_close(first_step(model, scaled), first_step(model, batch.aux), rtol=1e-4, atol=1e-5)
+    save_checkpoint(model, tmp_path)
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"} <= set(f.keys())
+    loaded = load_checkpoint(tmp_path)
+    assert loaded.config.fc_norm
+    torch.testing.assert_close(first_step(loaded, batch.aux), first_step(model.to(torch.bfloat16).float(), batch.aux))
