@@ -13,6 +13,8 @@ W=${WORKDIR:-$OUT/quality}
 C="config/config.yaml config/examples/h200-quality.yaml config/examples/sweep.yaml"
 CMD="snakemake -d $W --cores all --resources gpu=1 --scheduler greedy --rerun-incomplete --keep-going \
 results/variants/variants.json results/eval/acceptance.json --configfile $C"
+COMMIT=${EAGLEPIPE_COMMIT:-$(git rev-parse HEAD)}
+echo "$COMMIT" > "$OUT/sweep.commit"
 start=$SECONDS
 # --keep-going: a variant that fails (say, out of memory) leaves the others to finish; the run still exits non-zero.
 $CMD
@@ -20,7 +22,7 @@ echo "workflow: $((SECONDS - start)) s"
 cp "$W/results/variants/variants.json" "$OUT/sweep-variants.json"
 cp "$W/results/report/variants.png" "$OUT/sweep-variants.png"
 cp "$W/results/eval/acceptance.json" "$OUT/sweep-acceptance.json"
-COMMIT=${EAGLEPIPE_COMMIT:-$(git rev-parse HEAD)} CMD="$CMD" python - "$OUT" <<'PY'
+COMMIT="$COMMIT" CMD="$CMD" python - "$OUT" <<'PY'
 import json, os, subprocess, sys
 
 out = sys.argv[1]
