@@ -159,7 +159,8 @@ def served_section(bench: dict) -> list[str]:
 
 
 def variants_section(table: dict) -> list[str]:
-    """The draft variants of train.variants (eaglepipe.variants' variants.json), one row each, and which is the draft."""
+    """The draft variants of train.variants (eaglepipe.variants' variants.json), one row each, and which is the
+    draft."""
     k, rows = table["k"], table["variants"]
     ks = sorted(rows[0]["tau"], key=int)
     temps, sets = list(rows[0]["tau_at"]), list(rows[0]["benchmarks"])

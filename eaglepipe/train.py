@@ -506,7 +506,7 @@ def held_back_tau(model: Eagle3Draft, shard_paths: list[str], held: list[list[in
     was_training = model.training
     model.eval()
     lengths = []
-    for path, seqs in zip(shard_paths, held):
+    for path, seqs in zip(shard_paths, held, strict=True):
         if seqs:
             shard, _ = read_sequences(path, seqs, max_tokens)
             none_flagged = torch.zeros(shard["input_ids"].numel(), dtype=torch.bool)

@@ -35,7 +35,7 @@ def best(names: list[str], acceptance_paths: list) -> str:
     """The variant with the highest offline tau at k = draft_length on the eval split; a tie goes to the first of
     `names`."""
     taus = {}
-    for name, path in zip(names, acceptance_paths):
+    for name, path in zip(names, acceptance_paths, strict=True):
         acc = _load(path)
         taus[name] = acc["tau"][str(draft_length(acc))]
     return max(names, key=lambda n: (taus[n], -names.index(n)))

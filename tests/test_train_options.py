@@ -144,7 +144,7 @@ def test_held_back_slice_is_seeded_disjoint_from_training_and_never_trained_on()
     assert trained == {(s, i) for s, k in enumerate(kept) for i in k}
     # with a data fraction too, the held-back slice stays out and the fraction is of the rest
     half = train.kept_sequences(CUS, settings(select="tau", data_fraction=0.5))
-    assert [len(k) for k in half] == [4, 1, 1] and all(not set(k) & set(h) for k, h in zip(half, held))
+    assert [len(k) for k in half] == [4, 1, 1] and all(not set(k) & set(h) for k, h in zip(half, held, strict=True))
     # select: last keeps today's order and subsets
     assert train.schedule(CUS, settings(select="last")) == train.schedule(CUS, settings())
     assert train.kept_sequences(CUS, settings(select="last", data_fraction=0.5)) == \

@@ -68,7 +68,8 @@ def test_changing_one_variants_lr_retrains_only_that_variant(variant_run):
 def test_a_variant_key_that_is_not_a_train_key_is_named(tmp_path, tiny_target):
     result = snakemake(tmp_path, variant_config(tiny_target, {"a": {"learning_rate": 0.1}}), "-n", check=False)
     assert result.returncode != 0
-    assert "config key train.variants.a.learning_rate: not a train key a variant can set" in result.stdout + result.stderr
+    message = "config key train.variants.a.learning_rate: not a train key a variant can set"
+    assert message in result.stdout + result.stderr
     assert not (tmp_path / "results").exists()
 
 
