@@ -220,8 +220,7 @@ def train(smk) -> None:
 
     validate.verify_shards(smk.input.manifest, smk.input.shards, smk.threads)
     manifest = json.loads(Path(smk.input.manifest).read_text())
-    # The variants are jobs of their own (rule train_variant); a variant's params are its whole settings.
-    settings = {k: v for k, v in _settings(smk, "train").items() if k != "variants"}
+    settings = _settings(smk, "train")
     stage.launch(
         dict(
             shard_paths=list(smk.input.shards),

@@ -300,6 +300,8 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
     process group must be initialised; every rank returns the same trained model. weights_out: a folder where each
     rank saves its float32 weights as rank-<r>.pt (to compare ranks and runs)."""
     torch.set_num_threads(threads)
+    # train.variants are trainings of their own (rules/variants.smk), not a setting of this one.
+    settings = {k: v for k, v in settings.items() if k != "variants"}
     shard_paths = sorted(map(str, shard_paths))
     states_dtype = common_dtype(shard_paths)  # mixed bf16 and fp8 shards are refused, the odd shard named
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, set before CUDA starts
