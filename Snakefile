@@ -34,6 +34,7 @@ include: "rules/train.smk"
 include: "rules/evaluate.smk"
 include: "rules/benchmarks.smk"
 include: "rules/bench.smk"
+include: "rules/variants.smk"
 include: "rules/export.smk"
 include: "rules/report.smk"
 

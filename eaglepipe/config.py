@@ -74,9 +74,32 @@ def scheduling_keys(schema_path=SCHEMA) -> dict[str, set[str]]:
 
 def output_settings(config: dict, section: str, schema_path=SCHEMA) -> dict:
     """The keys of `config[section]` that can change a job's outputs: a rule's `params`, so that a scheduling key
-    (threads, GPUs, checkpoint interval) re-runs nothing."""
-    scheduling = scheduling_keys(schema_path)[section]
+    (threads, GPUs, checkpoint interval) re-runs nothing. train.variants is left out: each variant's settings are
+    its own job's (variant_settings)."""
+    scheduling = scheduling_keys(schema_path)[section] | ({"variants"} if section == "train" else set())
     return {k: v for k, v in config[section].items() if k not in scheduling}
+
+
+def variant_settings(config: dict, schema_path=SCHEMA) -> dict[str, dict]:
+    """Per variant of train.variants, in the order of their names, its training job's settings: train's output settings
+    with the variant's overrides, each checked against train's schema; ConfigError naming the variant and key."""
+    schema = yaml.safe_load(Path(schema_path).read_text())["properties"]["train"]["properties"]
+    scheduling = scheduling_keys(schema_path)["train"]
+    base = output_settings(config, "train", schema_path)
+    out = {}
+    for name, overrides in sorted(config["train"].get("variants", {}).items()):
+        for key, value in overrides.items():
+            where = f"config key train.variants.{name}.{key}"
+            if key in scheduling:
+                raise ConfigError(f"{where}: a scheduling key applies to every variant; set train.{key} instead")
+            if key not in base:
+                allowed = ", ".join(sorted(base))
+                raise ConfigError(f"{where}: not a train key a variant can set; allowed: {allowed}")
+            errors = list(Draft202012Validator(schema[key]).iter_errors(value))
+            if errors:
+                raise ConfigError(f"{where}: {errors[0].message}")
+        out[name] = {**base, **overrides}
+    return out
 
 
 def defaults(section: str, schema_path=SCHEMA) -> dict:

@@ -3,7 +3,8 @@
 Parameter names equal the serving checkpoint's (REFERENCE section 4), so the state dict is the checkpoint:
     fc.weight [H, 3*Ht]; midlayer.self_attn.{q,k,v}_proj.weight [*, 2H]; midlayer.self_attn.o_proj.weight;
     midlayer.mlp.{gate,up,down}_proj.weight; midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight;
-    norm.weight; lm_head.weight [Vd, H]; d2t int64 [Vd]; t2d bool [V].
+    norm.weight; lm_head.weight [Vd, H]; d2t int64 [Vd]; t2d bool [V]; with fc_norm (EAGLE-3.1) also
+    fc_norm.{i}.weight [Ht], one per aux layer.
 The forward pass follows vLLM's Eagle-3 Llama layer: the embedding and the hidden state are normed separately and
 concatenated for attention; the pre-norm output is what the next unroll step receives as its hidden state.
 """
@@ -43,6 +44,9 @@ class DraftConfig:
     # The target's own rope keys, copied verbatim into config.json so the engine ropes like the target; the trainer
     # ropes from the same keys (eaglepipe/rope.py), so training and serving agree.
     target_rope: dict = field(default_factory=dict)
+    # EAGLE-3.1's per-layer norm: each aux hidden state RMS-normed on its own before the fc projection (vLLM's
+    # `fc_norm` config key, which vLLM 0.32's llama_eagle3 reads and loads as fc_norm.{i}.weight).
+    fc_norm: bool = False
 
     @property
     def rope_settings(self) -> dict:
@@ -51,7 +55,8 @@ class DraftConfig:
                 **(self.target_rope or {"rope_theta": self.rope_theta})}
 
     @classmethod
-    def from_target(cls, target: dict, *, draft_vocab_size: int, aux_layer_ids: list[int]) -> "DraftConfig":
+    def from_target(cls, target: dict, *, draft_vocab_size: int, aux_layer_ids: list[int],
+                    fc_norm: bool = False) -> "DraftConfig":
         rope = {k: target[k] for k in ROPE_KEYS if k in target}
         heads = target["num_attention_heads"]
         head_dim = target.get("head_dim") or target["hidden_size"] // heads
@@ -66,11 +71,11 @@ class DraftConfig:
             target_hidden_size=target["hidden_size"],
             max_position_embeddings=positions,
             rms_norm_eps=target.get("rms_norm_eps", 1e-6), aux_layer_ids=list(aux_layer_ids),
-            rope_theta=rope_parameters(rope)["rope_theta"], target_rope=rope,
+            rope_theta=rope_parameters(rope)["rope_theta"], target_rope=rope, fc_norm=fc_norm,
         )
 
     def to_hf(self) -> dict:
-        """config.json in the form vLLM and SGLang load (REFERENCE section 4)."""
+        """config.json in the form vLLM and SGLang load (REFERENCE section 4); `fc_norm` only when set."""
         return {
             "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
@@ -82,6 +87,7 @@ class DraftConfig:
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": self.aux_layer_ids, "use_aux_hidden_state": True},
             "eaglepipe": {"layer_convention": LAYER_CONVENTION, "rope_theta": self.rope_theta},
             **self.target_rope,
+            **({"fc_norm": True} if self.fc_norm else {}),
         }
 
     @classmethod
@@ -93,7 +99,7 @@ class DraftConfig:
             head_dim=hf["head_dim"], vocab_size=hf["vocab_size"], draft_vocab_size=hf["draft_vocab_size"],
             target_hidden_size=hf["target_hidden_size"], max_position_embeddings=hf["max_position_embeddings"],
             rms_norm_eps=hf["rms_norm_eps"], aux_layer_ids=hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
-            rope_theta=hf["eaglepipe"]["rope_theta"], target_rope=rope,
+            rope_theta=hf["eaglepipe"]["rope_theta"], target_rope=rope, fc_norm=bool(hf.get("fc_norm", False)),
         )
 
 
@@ -278,6 +284,8 @@ class Eagle3Draft(nn.Module):
     def __init__(self, c: DraftConfig):
         super().__init__()
         self.config = c
+        if c.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(c.target_hidden_size, c.rms_norm_eps) for _ in c.aux_layer_ids)
         self.fc = nn.Linear(len(c.aux_layer_ids) * c.target_hidden_size, c.hidden_size, bias=False)
         self.midlayer = MidLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -309,6 +317,8 @@ class Eagle3Draft(nn.Module):
         """Training-time test: yields the normed output of each step. aux [B, T, 3*Ht]; embeds_per_step[j]
         [B, T, H] is the embedding of the token fed at step j (x_{t+1+j} at position t); packing: a Packing or a
         dense mask [B, T, T]."""
+        if self.config.fc_norm:  # as vLLM's combine_hidden_states: each aux layer's chunk normed on its own
+            aux = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, aux.chunk(len(self.fc_norm), -1), strict=True)], -1)
         hidden = self.fc(aux)
         cache: list = []
         packing = Packing.of(packing)

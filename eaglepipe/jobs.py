@@ -251,6 +251,35 @@ def train(smk) -> None:
     )
 
 
+def select_variant(smk) -> None:
+    _start(smk)
+    from . import variants
+
+    variants.select(
+        smk.params.variants,
+        list(smk.input.acceptance),
+        {"config": list(smk.input.config), "model": list(smk.input.model), "log": list(smk.input.train_log)},
+        {"config": smk.output.config, "model": smk.output.model, "log": smk.output.log},
+    )
+
+
+def variants(smk) -> None:
+    _start(smk)
+    from . import plots
+    from . import variants as stage
+
+    stage.compare(
+        list(smk.params.overrides),
+        smk.params.overrides,
+        acceptance=list(smk.input.acceptance),
+        train_log=list(smk.input.train_log),
+        seconds=list(smk.input.seconds),
+        benchmarks=list(smk.input.benchmarks),
+        output_path=smk.output.table,
+    )
+    plots.variants(smk.output.table, smk.output.plot)
+
+
 def evaluate(smk) -> None:
     _start(smk, gpus=True)
     from . import evaluate as stage

@@ -141,6 +141,35 @@ def speedup_table(served_path, output_path) -> None:
         tmp.write_text("\n".join(lines) + "\n")
 
 
+def variants(table_path, output_path) -> None:
+    """The draft variants (eaglepipe.variants' variants.json): greedy tau per k, one line per variant; tau at the
+    comparison's k per figure, one bar group per variant, labelled with its training time."""
+    table = _load(table_path)
+    k, rows = str(table["k"]), table["variants"]
+    fig, (curves, bars) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in rows:
+        ks = sorted(r["tau"], key=int)
+        curves.plot([int(x) for x in ks], [r["tau"][x] for x in ks], marker="o",
+                    label=("* " if r["name"] == table["winner"] else "") + r["name"])
+    curves.set(xlabel="draft length k", ylabel="offline tau (eval split, greedy)", title="Draft variants: tau per k")
+    curves.grid(True, alpha=0.3)
+    curves.legend(fontsize="small")
+    figures = [("greedy", lambda r: r["tau"][k])]
+    figures += [(f"T = {t}", lambda r, t=t: r["tau_at"].get(t, float("nan"))) for t in rows[0]["tau_at"]]
+    figures += [("outside loops", lambda r: r["outside_loops_tau"])]
+    figures += [(s, lambda r, s=s: r["benchmarks"].get(s, float("nan"))) for s in rows[0]["benchmarks"]]
+    width = 0.8 / len(figures)
+    for i, (name, value) in enumerate(figures):
+        bars.bar([x + i * width for x in range(len(rows))], [value(r) for r in rows], width, label=name)
+    bars.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))],
+                    [("* " if r["name"] == table["winner"] else "") + f"{r['name']}\n{r['train_seconds'] / 60:.1f} min"
+                     for r in rows], fontsize="small")
+    bars.set(ylabel=f"offline tau at k = {k}", ylim=(1, None), title=f"Draft variants at k = {k}")
+    bars.grid(True, axis="y", alpha=0.3)
+    bars.legend(fontsize="small")
+    _save(fig, output_path)
+
+
 def run(*, coverage_path, train_log, acceptance_path, served_path, outputs: dict) -> None:
     coverage(coverage_path, outputs["coverage"])
     training(train_log, outputs["training"])

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import reasoning
-from .config import SCHEMA, ConfigError, validate
+from .config import SCHEMA, ConfigError, validate, variant_settings
 from .formats import bytes_per_token
 from .target import TargetInfo, _safetensors_files, read_info, resolve_layer_ids
 from . import estimate
@@ -238,6 +238,7 @@ def check_workflow(config: dict, schema_path=SCHEMA, *, embedded_target: str) ->
     (check_config; jobs check again); the chat template file; the system-prompt policy; the target's
     facts and the aux layer ids. Raises ConfigError naming the key; returns the target's facts (estimate.py)."""
     validate(config, schema_path)
+    variant_settings(config, schema_path)
     path = config["target"]["path"] or embedded_target
     if config["preflight"]["enabled"] and Path(path, "config.json").is_file():
         try:

@@ -13,7 +13,7 @@ def _load(path):
 
 
 def summary(*, target: str, trace_stats, coverage, manifest, train_log, acceptance, output_path, served=None,
-            benchmarks=()) -> None:
+            benchmarks=(), variants=()) -> None:
     stats, cov, man, acc = _load(trace_stats), _load(coverage), _load(manifest), _load(acceptance)
     log = [json.loads(line) for line in Path(train_log).read_text().splitlines() if line.strip()]
     lines = [f"# eaglepipe summary: {target}", "", "## Traces", "",
@@ -43,6 +43,8 @@ def summary(*, target: str, trace_stats, coverage, manifest, train_log, acceptan
                   "|---|" + "---|" * len(last["loss"]),
                   "| loss | " + " | ".join(f"{v:.3f}" for v in last["loss"]) + " |",
                   "| acc | " + " | ".join(f"{v:.3f}" for v in last["acc"]) + " |"]
+    if variants:
+        lines += variants_section(_load(variants[0]))
     lines += acceptance_section(acc)
     if benchmarks:
         lines += benchmarks_section([_load(p) for p in benchmarks])
@@ -153,4 +155,28 @@ def served_section(bench: dict) -> list[str]:
         lines += [f"| {v['variant']}" + (f" {v['layer_ids']}" if v["kind"] != "template" else "") +
                   f" | {v['served_tau']:.3f} |" for v in diagnosis["variants"]]
         lines += [f"\nVariant {line}." for line in diagnosis.get("skipped", [])]
+    return lines
+
+
+def variants_section(table: dict) -> list[str]:
+    """The draft variants of train.variants (eaglepipe.variants' variants.json), one row each, and which is the
+    draft."""
+    k, rows = table["k"], table["variants"]
+    ks = sorted(rows[0]["tau"], key=int)
+    temps, sets = list(rows[0]["tau_at"]), list(rows[0]["benchmarks"])
+    lines = ["", "## Draft variants", "",
+             f"Each variant trained on the same hidden states; the draft below is **{table['winner']}**, the best by "
+             f"{table['criterion']}. Offline tau on the eval split (greedy, pooled) per k; at k = {k} also at each "
+             "temperature, outside trailing loops and per benchmark set.", "",
+             "| variant | overrides | " + " | ".join(f"k = {x}" for x in ks) + " | "
+             + "".join(f"T = {t} | " for t in temps) + "outside loops | " + "".join(f"{s} | " for s in sets)
+             + "train tokens | train time |",
+             "|---|---|" + "---|" * (len(ks) + len(temps) + 1 + len(sets) + 2)]
+    for r in rows:
+        overrides = ", ".join(f"{key}={value}" for key, value in r["overrides"].items()) or "(the recipe)"
+        lines.append(f"| {'**' + r['name'] + '**' if r['name'] == table['winner'] else r['name']} | {overrides} | "
+                     + " | ".join(f"{r['tau'][x]:.3f}" for x in ks) + " | "
+                     + "".join(f"{r['tau_at'][t]:.3f} | " for t in temps) + f"{r['outside_loops_tau']:.3f} | "
+                     + "".join(f"{r['benchmarks'][s]:.3f} | " for s in sets)
+                     + f"{r['train_tokens']} | {r['train_seconds'] / 60:.1f} min |")
     return lines

@@ -1,9 +1,11 @@
 """Train stage: the EAGLE-3 draft on stored hidden states, with a training-time-test unroll, on one process or
 several (torchrun, DDP), resumable from checkpoints.
 
-Loss at unroll step j: soft cross-entropy between the draft's distribution and the target's distribution on the
-draft vocabulary, over positions whose next token was generated, weighted by decay**j. train_log.jsonl holds one
-JSON object per logging point: step, epoch, lr, loss and acc (one value per unroll step), tokens.
+Loss at unroll step j (train.loss): soft cross-entropy between the draft's distribution and the target's distribution
+on the draft vocabulary, or the LK loss (row_losses), over positions whose next token was generated, weighted by
+decay**j. train_log.jsonl holds one JSON object per logging point: step, epoch, lr, loss and acc (one value per unroll
+step), tokens; with train.select: tau also held_back_tau3 where the held-back slice was scored, and the last record
+selected_step, the step whose weights were kept.
 
 Data order: the whole schedule of global batches is fixed up front from the seed (shards in a seeded order, the
 sequences of each shard in a seeded order, packed into batches of at most max_batch_tokens). With N processes rank r
@@ -47,69 +49,111 @@ log = logging.getLogger(__name__)
 NOT_IN_RESUME_KEY = ("threads", "checkpoint_every", "gpus", "processes")
 
 
-def lr_at(step: int, total: int, lr: float, warmup: int) -> float:
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+def lr_at(step: int, total: int, lr: float, warmup: int, schedule: str = "cosine") -> float:
+    """Linear warmup to lr over `warmup` steps, then cosine or linear decay to 10 % of lr at the last step, or lr."""
     if step < warmup:
         return lr * (step + 1) / warmup
-    progress = (step - warmup) / max(total - warmup, 1)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+    progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+    if schedule == "cosine":
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    if schedule == "linear":
+        return lr * (1 - 0.9 * progress)
+    if schedule == "constant":
+        return lr
+    raise ValueError(f"config key train.schedule: {schedule!r}; expected one of {', '.join(SCHEDULES)}")
 
 
-# Rows of logits per chunk of the soft cross-entropy: CHUNK_ELEMENTS // draft vocabulary (256 MiB of float32 logits).
+# Rows of logits per chunk of the loss: CHUNK_ELEMENTS // draft vocabulary (256 MiB of float32 logits).
 CHUNK_ELEMENTS = 2 ** 26
-LOSSES = ("chunked", "reference")
+PATHS = ("chunked", "reference")
+LOSSES = ("soft_ce", "lk")
+LK_ETA = 3.0  # the LK paper's best eta for the adaptive KL weight
 
 
-class ChunkedSoftCrossEntropy(torch.autograd.Function):
-    """sum_r weight[r] * CE(probs[target_rows[r]], softmax(hidden[r] @ head^T)) with the logits of a chunk of rows
-    at a time. The loss is a scalar, so the gradients are computed in the forward pass chunk by chunk and only scaled
-    in the backward: neither the logits nor their gradients outlive a chunk. The products run in hidden's dtype
-    (the autocast dtype), logits and softmax in float32, as the reference path does. Also returns per row the
-    cross-entropy and whether the argmax agrees with the target's (not differentiable)."""
+def row_losses(logits: torch.Tensor, target: torch.Tensor, loss: str) -> torch.Tensor:
+    """Per row the loss of the draft's logits [R, Vd] against the target's probabilities [R, Vd] on the draft vocabulary
+    (rows may sum to less than 1: the target's mass outside it). soft_ce: sum_v p_v (logsumexp - logit_v). lk: the
+    hybrid LK loss of Samarin et al., "LK Losses: Direct Acceptance Rate Optimization for Speculative Decoding"
+    (arXiv 2602.23881): lambda * CE + (1 - lambda) * (1 - alpha), with alpha = sum_v min(p_v, q_v) the acceptance
+    rate of a draft q against p and lambda = exp(-LK_ETA * alpha) held constant (the paper's KL, up to p's entropy,
+    which has no gradient)."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, -1, keepdim=True)
+    ce = (target * (lse - logits)).sum(-1)
+    if loss == "soft_ce":
+        return ce
+    if loss == "lk":
+        alpha = torch.minimum(target, torch.exp(logits - lse)).sum(-1)
+        weight = torch.exp(-LK_ETA * alpha.detach())
+        return weight * ce + (1 - weight) * (1 - alpha)
+    raise ValueError(f"config key train.loss: {loss!r}; expected one of {', '.join(LOSSES)}")
+
+
+class ChunkedLoss(torch.autograd.Function):
+    """sum_r weight[r] * row_losses(hidden[r] @ head^T, probs[target_rows[r]]) with the logits of a chunk of rows at a
+    time. The loss is a scalar, so the gradients are computed in the forward pass chunk by chunk and only scaled in
+    the backward: neither the logits nor their gradients outlive a chunk. The products run in hidden's dtype (the
+    autocast dtype), logits and softmax in float32, as the reference path does. Also returns per row the loss and
+    whether the argmax agrees with the target's (not differentiable)."""
 
     @staticmethod
-    def forward(ctx, hidden, head, probs, target_rows, weight, chunk: int):
+    def forward(ctx, hidden, head, probs, target_rows, weight, chunk: int, loss: str = "soft_ce"):
         rows = hidden.shape[0]
         dtype = hidden.dtype
         with torch.autocast(hidden.device.type, enabled=False):
             w = head.to(dtype)
             grad_h = torch.empty_like(hidden)
             grad_w = torch.zeros(head.shape, dtype=torch.float32, device=head.device)
-            ce = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+            per_row = torch.empty(rows, dtype=torch.float32, device=hidden.device)
             correct = torch.empty(rows, dtype=torch.bool, device=hidden.device)
             for a in range(0, rows, chunk):
                 h = hidden[a:a + chunk]
                 logits = (h @ w.T).float()
                 target = probs[target_rows[a:a + chunk]].float()
-                lse = torch.logsumexp(logits, -1, keepdim=True)
-                mass = target.sum(-1, keepdim=True)
-                ce[a:a + chunk] = (target * (lse - logits)).sum(-1)
                 correct[a:a + chunk] = logits.argmax(-1) == target.argmax(-1)
-                # d CE / d logits = softmax * sum(target) - target, times each row's weight.
-                g = ((torch.exp(logits - lse) * mass - target) * weight[a:a + chunk, None]).to(dtype)
+                if loss == "soft_ce":
+                    lse = torch.logsumexp(logits, -1, keepdim=True)
+                    mass = target.sum(-1, keepdim=True)
+                    per_row[a:a + chunk] = (target * (lse - logits)).sum(-1)
+                    # d CE / d logits = softmax * sum(target) - target, times each row's weight.
+                    g = ((torch.exp(logits - lse) * mass - target) * weight[a:a + chunk, None]).to(dtype)
+                else:  # the chunk's gradient with respect to its logits by autograd, the rest as above
+                    with torch.enable_grad():
+                        leaf = logits.detach().requires_grad_(True)
+                        values = row_losses(leaf, target, loss)
+                        (values * weight[a:a + chunk]).sum().backward()
+                    per_row[a:a + chunk] = values.detach()
+                    g = leaf.grad.to(dtype)
                 grad_h[a:a + chunk] = g @ w
                 grad_w += (g.T @ h).float()
-            loss = (ce * weight).sum()
+            total = (per_row * weight).sum()
         ctx.save_for_backward(grad_h, grad_w)
-        ctx.mark_non_differentiable(ce, correct)
-        return loss, ce, correct
+        ctx.mark_non_differentiable(per_row, correct)
+        return total, per_row, correct
 
     @staticmethod
-    def backward(ctx, grad_loss, _ce, _correct):
+    def backward(ctx, grad_loss, _per_row, _correct):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss, None, None, None, None
+        return grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss, None, None, None, None, None
 
 
 class Objective(torch.nn.Module):
-    """The weighted unroll loss of one rank's part of a global batch; a module so that DDP can wrap it.
-    loss="chunked": logits of every unroll step's loss rows in one chunked soft cross-entropy after the unroll (needs
-    a batch collated with t2d and steps); "reference": per step full logits and log_softmax held for the backward,
-    the original path (the naive baseline of eaglepipe.tools.bench_train)."""
+    """The weighted unroll loss (LOSSES, row_losses) of one rank's part of a global batch; a module so that DDP can
+    wrap it. path="chunked": logits of every unroll step's loss rows in one ChunkedLoss after the unroll (needs a batch
+    collated with t2d and steps); "reference": per step full logits held for the backward, the original path (the
+    naive baseline of eaglepipe.tools.bench_train)."""
 
-    def __init__(self, model: Eagle3Draft, loss: str = "chunked"):
+    def __init__(self, model: Eagle3Draft, path: str = "chunked", loss: str = "soft_ce"):
         super().__init__()
+        if path not in PATHS:
+            raise ValueError(f"path {path!r}: expected one of {', '.join(PATHS)}")
         if loss not in LOSSES:
-            raise ValueError(f"loss {loss!r}: expected one of {', '.join(LOSSES)}")
+            raise ValueError(f"config key train.loss: {loss!r}; expected one of {', '.join(LOSSES)}")
         self.model = model
+        self.path = path
         self.loss = loss
 
     def forward(self, batch, embed, probs, valid, denominators: list[float], decay: float, scale: float):
@@ -121,7 +165,7 @@ class Objective(torch.nn.Module):
         if batch is None:  # this rank has no sequence in the batch: it still joins the gradient average, with zeros
             loss = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
             return loss, torch.zeros(steps, 3, dtype=torch.float64, device=loss.device)
-        if self.loss == "reference" or batch.step_rows is None:
+        if self.path == "reference" or batch.step_rows is None:
             return self._reference(batch, embed, probs, valid, denominators, decay, scale)
         device = batch.input_ids.device
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
@@ -134,11 +178,11 @@ class Objective(torch.nn.Module):
         coef = torch.tensor([scale * decay ** j / max(d, 1.0) for j, d in enumerate(denominators)],
                             dtype=torch.float32).to(device, non_blocking=True)
         chunk = max(1, CHUNK_ELEMENTS // model.config.draft_vocab_size)
-        loss, ce, correct = ChunkedSoftCrossEntropy.apply(torch.cat(hidden), model.lm_head.weight, probs,
-                                                          batch.step_rows + 1 + batch.step_of, coef[batch.step_of],
-                                                          chunk)
+        loss, per_row, correct = ChunkedLoss.apply(torch.cat(hidden), model.lm_head.weight, probs,
+                                                   batch.step_rows + 1 + batch.step_of, coef[batch.step_of], chunk,
+                                                   self.loss)
         stats = torch.zeros(steps, 3, dtype=torch.float64, device=device)
-        stats[:, 0].index_add_(0, batch.step_of, ce.double())
+        stats[:, 0].index_add_(0, batch.step_of, per_row.double())
         stats[:, 1].index_add_(0, batch.step_of, correct.double())
         stats[:, 2] = torch.tensor(batch.step_counts, dtype=torch.float64)
         return loss, stats
@@ -153,10 +197,14 @@ class Objective(torch.nn.Module):
                 loss = loss + (out.sum() + model.lm_head.weight.sum()) * 0.0
                 stats.append((0.0, 0, 0))
                 continue
-            logp = F.log_softmax(model.lm_head(out[0, rows]).float(), -1)  # logits only where there is a target
+            logits = model.lm_head(out[0, rows]).float()  # logits only where there is a target
             target = probs[rows + 1 + j]
-            total = -(target * logp).sum()
-            correct = int((logp.argmax(-1) == target.argmax(-1)).sum())
+            if self.loss == "soft_ce":
+                logp = F.log_softmax(logits, -1)
+                total = -(target * logp).sum()
+            else:
+                total = row_losses(logits, target, self.loss).sum()
+            correct = int((logits.argmax(-1) == target.argmax(-1)).sum())
             loss = loss + decay ** j * total / max(denominators[j], 1.0)
             stats.append((float(total.detach()), correct, rows.numel()))
         return loss * scale, torch.tensor(stats, dtype=torch.float64, device=batch.input_ids.device)
@@ -176,17 +224,40 @@ def init_draft(config: DraftConfig, vocab: dict, draft_head: torch.Tensor, seed:
     return model
 
 
+def _draw(n: int, settings: dict, shard: int) -> list[int]:
+    """The seeded order of a shard's n sequences that data_fraction and the held-back slice are taken from."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(settings["seed"] * 1_000_003 + shard)).tolist()
+
+
+def held_back(cu_seqlens: list[torch.Tensor], settings: dict) -> list[list[int]] | None:
+    """With train.select: tau, the sequences of each shard held back from training to score the checkpoints: the
+    last train.select_fraction of the seeded order (at least one, never a shard's only sequence), sorted; else None."""
+    if settings.get("select", "last") != "tau":
+        return None
+    held = []
+    for s, cu in enumerate(cu_seqlens):
+        n = cu.numel() - 1
+        k = min(n - 1, max(1, round(settings["select_fraction"] * n)))
+        held.append(sorted(_draw(n, settings, s)[n - k:]) if k > 0 else [])
+    if not any(held):
+        raise ValueError("config key train.select: tau holds back part of each train shard, but every shard holds a "
+                         "single sequence; set train.select: last or write more sequences per shard")
+    return held
+
+
 def kept_sequences(cu_seqlens: list[torch.Tensor], settings: dict) -> list[list[int]] | None:
     """The sequences of each shard that training uses: all (None), or with train.data_fraction < 1 a random subset
-    of each shard from the seed (at least one sequence), sorted; a smaller fraction's subset lies inside a larger's."""
+    of each shard from the seed (at least one sequence), sorted; a smaller fraction's subset lies inside a larger's.
+    The held-back slice of train.select: tau is never among them."""
     fraction = settings.get("data_fraction", 1.0)
-    if fraction >= 1:
+    held = held_back(cu_seqlens, settings)
+    if fraction >= 1 and held is None:
         return None
     kept = []
     for s, cu in enumerate(cu_seqlens):
         n = cu.numel() - 1
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(settings["seed"] * 1_000_003 + s))
-        kept.append(sorted(order[:max(1, round(fraction * n))].tolist()))
+        order = _draw(n, settings, s)[:n - len(held[s])] if held else _draw(n, settings, s)
+        kept.append(sorted(order[:max(1, round(fraction * len(order)))]))
     return kept
 
 
@@ -229,6 +300,8 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
     process group must be initialised; every rank returns the same trained model. weights_out: a folder where each
     rank saves its float32 weights as rank-<r>.pt (to compare ranks and runs)."""
     torch.set_num_threads(threads)
+    # train.variants are trainings of their own (rules/variants.smk), not a setting of this one.
+    settings = {k: v for k, v in settings.items() if k != "variants"}
     shard_paths = sorted(map(str, shard_paths))
     states_dtype = common_dtype(shard_paths)  # mixed bf16 and fp8 shards are refused, the odd shard named
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, set before CUDA starts
@@ -240,7 +313,8 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
         torch.cuda.set_device(device)
     info = read_info(target_dir)
     vocab = vocab_map.load(vocab_path)
-    config = DraftConfig.from_target(info.config, draft_vocab_size=int(vocab["d2t"].numel()), aux_layer_ids=layer_ids)
+    config = DraftConfig.from_target(info.config, draft_vocab_size=int(vocab["d2t"].numel()), aux_layer_ids=layer_ids,
+                                     fc_norm=settings.get("fc_norm", False))
     draft_head = load_lm_head(target_dir)[vocab["draft_ids"]].float()  # the target's head, draft-vocab rows
     model = init_draft(config, vocab, draft_head, settings["seed"]).to(device)
     draft_head = draft_head.to(device)
@@ -249,10 +323,12 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
     t2d_host = vocab["t2d"]
     t2d = t2d_host.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = optimizer(params, device, lr=settings["lr"], weight_decay=settings["weight_decay"])
+    opt = optimizer(params, device, settings.get("optimizer", "adamw"), head=model.lm_head.weight, lr=settings["lr"],
+                    weight_decay=settings["weight_decay"])
 
     cus = [sequence_lengths(p) for p in shard_paths]
     batches = schedule(cus, settings)
+    held = held_back(cus, settings)
     total = len(batches)
     if total == 0:
         raise ValueError("no training sequences in the hidden-state shards; check the traces stats")
@@ -263,16 +339,18 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
     key = resume_key(settings, world, list(key_files))
     records, step, seen = [], 0, 0
     acc_sum = [[0.0, 0, 0] for _ in range(steps)]  # loss sum, correct, count since the last log line
+    scored, best = {}, None  # train.select: tau: held-back tau per scored step; the best step, its tau and weights
     resumed = load_progress(progress_dir, key, model, opt)
     if resumed:
         step, seen, records, acc_sum = resumed["step"], resumed["seen"], resumed["records"], resumed["acc_sum"]
+        scored, best = resumed.get("scored", {}), resumed.get("best")
         log.info("resuming from the checkpoint at step %d of %d in %s", step, total, progress_dir)
     where = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
     log.info("training: %d epochs, %d steps, %d unroll steps, draft vocab %d, %d process(es), rank %d on %s, "
              "%s hidden states", settings["epochs"], total, steps, config.draft_vocab_size, world, rank, where,
              states_dtype)
 
-    objective = Objective(model)
+    objective = Objective(model, loss=settings.get("loss", "soft_ce"))
     if world > 1:
         objective = torch.nn.parallel.DistributedDataParallel(objective, broadcast_buffers=False)
     start, first, seen_before = time.monotonic(), step, seen
@@ -307,7 +385,8 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
             counts = torch.zeros(steps, dtype=torch.float64)
         counts = all_sum(counts, device)  # the global batch's positions per unroll step: each rank's denominator
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, total, settings["lr"], settings["warmup_steps"])
+            group["lr"] = lr_at(step, total, settings["lr"], settings["warmup_steps"],
+                                settings.get("schedule", "cosine"))
         opt.zero_grad(set_to_none=True)  # before the forward pass: last step's gradients are not held beside it
         with autocast(device, settings["precision"]):
             loss, stats = objective(batch, embed, probs, valid, counts.tolist(), decay, float(world))
@@ -325,6 +404,13 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
                 acc_sum[j][1] += int(correct)
                 acc_sum[j][2] += int(count)
             running = None
+        if held is not None and (step % settings["select_every"] == 0 or step == total):
+            scored[step] = held_back_tau(model, shard_paths, held, embed, max_tokens, device)
+            if best is None or scored[step] > best["tau"]:
+                best = {"step": step, "tau": scored[step],
+                        "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}}
+            log.info("step %d: held-back tau(3) %.3f (best %.3f at step %d)", step, scored[step], best["tau"],
+                     best["step"])
         if step % settings["log_every"] == 0 or step == total:
             records.append({
                 "step": step, "epoch": epoch, "lr": opt.param_groups[0]["lr"], "tokens": seen,
@@ -339,9 +425,19 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
                          records[-1]["acc"][-1], (seen - seen_before) / elapsed,
                          elapsed / (step - first) * (total - step))
         if rank == 0 and every and step % every == 0 and step < total:
-            save_progress(progress_dir, key, model, opt, step=step, seen=seen, records=records, acc_sum=acc_sum)
+            save_progress(progress_dir, key, model, opt, step=step, seen=seen, records=records, acc_sum=acc_sum,
+                          **({"scored": scored, "best": best} if held is not None else {}))
     if prefetch:
         prefetch.shutdown()
+    if held is not None:
+        for r in records:
+            if r["step"] in scored:
+                r["held_back_tau3"] = round(scored[r["step"]], 5)
+        records[-1]["selected_step"] = best["step"]
+        if best["step"] != step:
+            model.load_state_dict(best["state"])
+        log.info("kept the weights of step %d of %d: held-back tau(3) %.3f (last step %.3f)", best["step"], step,
+                 best["tau"], scored[step])
     log.info("rank %d of %d: final weights sha256 %s", rank, world, state_hash(model))
     if weights_out:
         Path(weights_out).mkdir(parents=True, exist_ok=True)
@@ -356,9 +452,69 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
     return model
 
 
-def optimizer(params, device: torch.device, **kwargs) -> torch.optim.AdamW:
-    """AdamW over float32 master weights; the fused CUDA kernel on a GPU (one launch instead of one per tensor)."""
-    return torch.optim.AdamW(params, fused=device.type == "cuda", **kwargs)
+OPTIMIZERS = ("adamw", "muon")
+
+
+def optimizer(params, device: torch.device, name: str = "adamw", head=None, **kwargs):
+    """AdamW over float32 master weights; the fused CUDA kernel on a GPU (one launch instead of one per tensor).
+    name="muon": torch.optim.Muon on the matrices other than `head` (the lm_head), at AdamW's update size per element
+    (adjust_lr_fn="match_rms_adamw", so train.lr means the same), AdamW on the rest (norms, lm_head)."""
+    if name == "adamw":
+        return torch.optim.AdamW(params, fused=device.type == "cuda", **kwargs)
+    if name != "muon":
+        raise ValueError(f"config key train.optimizer: {name!r}; expected one of {', '.join(OPTIMIZERS)}")
+    if not hasattr(torch.optim, "Muon"):
+        raise ValueError(f"config key train.optimizer: muon needs torch.optim.Muon, which torch {torch.__version__} "
+                         "lacks; upgrade torch or set train.optimizer: adamw")
+    params = list(params)
+    matrices = [p for p in params if p.ndim == 2 and p is not head]
+    rest = [p for p in params if not (p.ndim == 2 and p is not head)]
+    return Optimizers([torch.optim.Muon(matrices, adjust_lr_fn="match_rms_adamw", **kwargs),
+                       torch.optim.AdamW(rest, fused=device.type == "cuda", **kwargs)])
+
+
+class Optimizers:
+    """Several optimizers over disjoint parameters, stepped as one (the training loop's view of an optimizer)."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.parts for g in o.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.parts:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for o in self.parts:
+            o.step()
+
+    def state_dict(self) -> dict:
+        return {str(i): o.state_dict() for i, o in enumerate(self.parts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for i, o in enumerate(self.parts):
+            o.load_state_dict(state[str(i)])
+
+
+@torch.no_grad()
+def held_back_tau(model: Eagle3Draft, shard_paths: list[str], held: list[list[int]], embed: torch.Tensor,
+                  max_tokens: int, device) -> float:
+    """Offline tau at k = 3, greedy (eaglepipe.evaluate), of the model on the held-back train sequences."""
+    from .evaluate import accepted_lengths, summarise, survival
+
+    was_training = model.training
+    model.eval()
+    lengths = []
+    for path, seqs in zip(shard_paths, held, strict=True):
+        if seqs:
+            shard, _ = read_sequences(path, seqs, max_tokens)
+            none_flagged = torch.zeros(shard["input_ids"].numel(), dtype=torch.bool)
+            lengths.append(accepted_lengths(model, shard, embed, 3, max_tokens, str(device), none_flagged).lengths)
+    model.train(was_training)
+    return summarise(survival(torch.cat(lengths), 3))["tau"]["3"]
 
 
 def autocast(device: torch.device, precision: str):

@@ -22,6 +22,9 @@ try:
 except eaglepipe.config.ConfigError as err:
     raise WorkflowError(str(err)) from None
 
+# train.variants: name -> the variant's training settings (rules/variants.smk), checked with the config above.
+VARIANTS = eaglepipe.config.variant_settings(config, SCHEMA)
+
 SPLITS = ["train", "eval"]
 SHARDS = list(range(config["generation"]["num_shards"]))
 

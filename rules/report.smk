@@ -9,6 +9,7 @@ rule report:
         acceptance=rules.evaluate.output.acceptance,
         served=rules.bench.output.served,
         benchmarks=BENCHMARK_ACCEPTANCE,
+        variants=VARIANTS_TABLE,
     output:
         summary="results/report/summary.md",
     params:

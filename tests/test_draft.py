@@ -187,7 +187,7 @@ def test_chunked_soft_cross_entropy_equals_the_per_step_loss():
     for loss in ("reference", "chunked"):
         model = tiny_draft().double()
         probs, valid = targets(batch, head, model.t2d)
-        objective = train.Objective(model, loss=loss)
+        objective = train.Objective(model, path=loss)
         saved, train.CHUNK_ELEMENTS = train.CHUNK_ELEMENTS, VD * 7  # 7 rows per chunk
         try:
             value, stats = objective(batch, embed, probs, valid, [float(c) for c in batch.step_counts], 0.8, 2.0)
@@ -217,7 +217,7 @@ def test_training_steps_of_the_new_path_follow_the_original_path():
         model.attention = impl
         params = [p for p in model.parameters() if p.requires_grad]
         opt = train.optimizer(params, torch.device("cpu"), lr=1e-3)
-        objective = train.Objective(model, loss=loss)
+        objective = train.Objective(model, path=loss)
         probs, valid = targets(batch, head, model.t2d)
         losses[impl] = []
         for _ in range(5):

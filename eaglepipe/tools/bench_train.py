@@ -123,7 +123,7 @@ def measure(config: DraftConfig, device: torch.device, batch, ttt_steps: int, st
     model, draft_head, t2d, embed = build(config, device, seed, attention)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer(params, device, lr=1e-4)
-    objective = Objective(model, loss=loss)
+    objective = Objective(model, path=loss)
     counts = [float(c) for c in batch.step_counts]
     grad = None
     if device.type == "cuda":
@@ -164,7 +164,7 @@ def reference_loss(config, device, batch, ttt_steps, seed) -> float:
     """First-step loss of the float32 reference path (original dense attention, per-step loss): a forward pass."""
     model, draft_head, t2d, embed = build(config, device, seed, "dense")
     probs, valid = targets(batch, draft_head, t2d)
-    value, _ = Objective(model, loss="reference")(batch, embed, probs, valid, [float(c) for c in batch.step_counts],
+    value, _ = Objective(model, path="reference")(batch, embed, probs, valid, [float(c) for c in batch.step_counts],
                                                   0.8, 1.0)
     value = float(value)
     del model, embed, probs
@@ -178,7 +178,7 @@ def reference_grad(config, device, batch, ttt_steps, seed) -> torch.Tensor:
     model, draft_head, t2d, embed = build(config, device, seed, "dense")
     params = [p for p in model.parameters() if p.requires_grad]
     probs, valid = targets(batch, draft_head, t2d)
-    value, _ = Objective(model, loss="reference")(batch, embed, probs, valid, [float(c) for c in batch.step_counts],
+    value, _ = Objective(model, path="reference")(batch, embed, probs, valid, [float(c) for c in batch.step_counts],
                                                   0.8, 1.0)
     value.backward()
     grad = torch.cat([p.grad.detach().flatten().float().cpu() for p in params])

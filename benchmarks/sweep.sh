@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The draft-variant sweep on one GPU: the quality recipe (config/examples/h200-quality.yaml) with the variants of
+# config/examples/sweep.yaml, each trained as its own job on the recipe's hidden states in the workflow directory
+# $WORKDIR (default $OUT/quality, the one benchmarks/quality.sh fills: its traces and hidden states are reused, and a
+# run from nothing makes them first). An interrupted run resumes where it stopped when started again. Writes
+# $OUT/sweep.json: device, command, commit, the winner and, per variant, its overrides, offline tau (k = 1..5,
+# greedy, eval split), tau at k = 3 at T = 0.7, outside trailing loops and on MT-Bench, training tokens and seconds
+# (eaglepipe/variants.py documents the rows); $OUT/sweep-variants.png and the winner's $OUT/sweep-acceptance.json.
+set -euo pipefail
+OUT=${OUT:-benchmarks/out}
+mkdir -p "$OUT"
+W=${WORKDIR:-$OUT/quality}
+C="config/config.yaml config/examples/h200-quality.yaml config/examples/sweep.yaml"
+CMD="snakemake -d $W --cores all --resources gpu=1 --scheduler greedy --rerun-incomplete --keep-going \
+results/variants/variants.json results/eval/acceptance.json --configfile $C"
+COMMIT=${EAGLEPIPE_COMMIT:-$(git rev-parse HEAD)}
+echo "$COMMIT" > "$OUT/sweep.commit"
+start=$SECONDS
+# --keep-going: a variant that fails (say, out of memory) leaves the others to finish; the run still exits non-zero.
+$CMD
+echo "workflow: $((SECONDS - start)) s"
+cp "$W/results/variants/variants.json" "$OUT/sweep-variants.json"
+cp "$W/results/report/variants.png" "$OUT/sweep-variants.png"
+cp "$W/results/eval/acceptance.json" "$OUT/sweep-acceptance.json"
+COMMIT="$COMMIT" CMD="$CMD" python - "$OUT" <<'PY'
+import json, os, subprocess, sys
+
+out = sys.argv[1]
+table = json.load(open(f"{out}/sweep-variants.json"))
+gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+k = str(table["k"])
+rows = [{"name": r["name"], "overrides": r["overrides"], "offline_tau": r["tau"],
+         "offline_tau3_t0.7": r["tau_at"].get("0.7"), "mtbench_tau3": r["benchmarks"].get("mtbench"),
+         "offline_tau3_outside_loops": r["outside_loops_tau"], "train_tokens": r["train_tokens"],
+         "train_seconds": r["train_seconds"]} for r in table["variants"]]
+sweep = {"device": gpu.stdout.strip().splitlines()[0] if gpu.returncode == 0 else "unknown",
+         "command": os.environ["CMD"], "commit": os.environ["COMMIT"], "k": table["k"],
+         "criterion": table["criterion"], "winner": table["winner"], "variants": rows}
+json.dump(sweep, open(f"{out}/sweep.json", "w"), indent=2)
+for r in rows:
+    print(f"{r['name']:>20}: tau({k}) {r['offline_tau'][k]:.3f}  T=0.7 {r['offline_tau3_t0.7'] or float('nan'):.3f}  "
+          f"outside loops {r['offline_tau3_outside_loops']:.3f}  MT-Bench {r['mtbench_tau3'] or float('nan'):.3f}  "
+          f"{r['train_seconds'] / 60:.1f} min")
+print(f"winner: {table['winner']}")
+PY

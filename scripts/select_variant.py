@@ -1,0 +1,3 @@
+from eaglepipe import jobs
+
+jobs.select_variant(snakemake)

@@ -1,0 +1,108 @@
+"""train.variants in the real workflow on a tiny random Llama: one training job per variant, the comparison, the best
+variant as the draft, and a change to one variant retraining that variant alone."""
+
+import json
+
+import pytest
+
+from conftest import REPO, snakemake, tiny_config
+from eaglepipe import report
+from eaglepipe.formats import sha256_file
+
+VARIANTS = {"slow": {"lr": 1e-5}, "fast": {"lr": 3e-3, "schedule": "constant", "loss": "lk"}}
+TARGETS = ("results/variants/variants.json", "results/draft/model.safetensors")
+
+
+def variant_config(target, variants=VARIANTS):
+    return tiny_config(target, train={"epochs": 1, "ttt_steps": 2, "max_batch_tokens": 256, "log_every": 2,
+                                      "threads": 1, "variants": variants})
+
+
+@pytest.fixture(scope="module")
+def variant_run(tmp_path_factory, tiny_target):
+    workdir = tmp_path_factory.mktemp("variants")
+    config = variant_config(tiny_target)
+    snakemake(workdir, config, *TARGETS)
+    return workdir, config
+
+
+def test_each_variant_trains_as_its_own_job_and_the_best_is_the_draft(variant_run):
+    workdir, _ = variant_run
+    table = json.loads((workdir / "results/variants/variants.json").read_text())
+    assert [r["name"] for r in table["variants"]] == sorted(VARIANTS)
+    taus = {}
+    for name, overrides in VARIANTS.items():
+        draft = workdir / "results/drafts" / name
+        assert (workdir / "logs/drafts" / name / "train.log").is_file()  # a job of its own
+        trained = json.loads((draft / "config.json").read_text())["eaglepipe"]["provenance"]["train"]
+        assert {k: trained[k] for k in overrides} == overrides
+        taus[name] = json.loads((draft / "acceptance.json").read_text())["tau"]["3"]
+        row = next(r for r in table["variants"] if r["name"] == name)
+        assert row["tau"]["3"] == taus[name] and row["overrides"] == overrides
+        assert row["train_seconds"] > 0 and row["train_tokens"] > 0 and set(row["tau_at"]) == {"0.7"}
+        assert set(row["benchmarks"]) == {"mtbench"}
+    assert sha256_file(workdir / "results/drafts/slow/model.safetensors") != sha256_file(
+        workdir / "results/drafts/fast/model.safetensors")
+    winner = max(sorted(VARIANTS), key=lambda n: (taus[n], -sorted(VARIANTS).index(n)))
+    assert table["winner"] == winner
+    for name in ("config.json", "model.safetensors", "train_log.jsonl"):
+        assert sha256_file(workdir / "results/draft" / name) == sha256_file(workdir / "results/drafts" / winner / name)
+    section = "\n".join(report.variants_section(table))
+    assert f"the draft below is **{winner}**" in section
+    assert all(f"| {n} |" in section or f"| **{n}** |" in section for n in VARIANTS)
+    assert (workdir / "results/report/variants.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_changing_one_variants_lr_retrains_only_that_variant(variant_run):
+    workdir, config = variant_run
+    changed = variant_config(config["target"]["path"], {**VARIANTS, "slow": {"lr": 2e-5}})
+    plan = snakemake(workdir, changed, *TARGETS, "-n").stdout
+    outputs = [line.split(":", 1)[1] for line in plan.splitlines() if line.strip().startswith("output:")]
+    assert any("results/drafts/slow/model.safetensors" in o for o in outputs)
+    assert any("results/drafts/slow/acceptance.json" in o for o in outputs)
+    assert not any("results/drafts/fast/" in o for o in outputs)  # the other variant is neither trained nor scored
+    assert "rule variants:" in plan and "rule train:" in plan
+    assert "rule hidden_states:" not in plan and "rule train_variant:" in plan
+
+
+def test_a_variant_key_that_is_not_a_train_key_is_named(tmp_path, tiny_target):
+    result = snakemake(tmp_path, variant_config(tiny_target, {"a": {"learning_rate": 0.1}}), "-n", check=False)
+    assert result.returncode != 0
+    message = "config key train.variants.a.learning_rate: not a train key a variant can set"
+    assert message in result.stdout + result.stderr
+    assert not (tmp_path / "results").exists()
+
+
+def test_selection_keeps_the_weights_of_the_step_with_the_best_held_back_tau(variant_run, tmp_path):
+    """train.select: tau on the run's own shards, scoring every step: the kept weights are the best-scored step's,
+    and scoring them again gives that figure."""
+    import torch
+
+    from eaglepipe import config as cfg
+    from eaglepipe import train
+    from eaglepipe.batches import sequence_lengths
+    from eaglepipe.draft import load_checkpoint
+    from eaglepipe.target import load_embeddings
+
+    workdir, config = variant_run
+    full = cfg.load(REPO / "config/config.yaml")
+    for section, values in config.items():
+        full.setdefault(section, {}).update(values)
+    settings = {k: v for k, v in cfg.validate(full)["train"].items() if k != "variants"}
+    settings.update(select="tau", select_every=1, select_fraction=0.3, log_every=1, lr=3e-3, schedule="constant",
+                    checkpoint_every=0)
+    manifest = json.loads((workdir / "results/hidden_states/manifest.json").read_text())
+    shards = sorted(str(p) for p in (workdir / "results/hidden_states/train").glob("shard-*.safetensors"))
+    target = config["target"]["path"]
+    train.run(shards, workdir / "results/vocab/vocab_map.safetensors", tmp_path / "draft", target_dir=target,
+              layer_ids=manifest["layer_ids"], settings=settings, threads=1, weights_out=tmp_path / "weights")
+    records = [json.loads(line) for line in (tmp_path / "draft/train_log.jsonl").read_text().splitlines()]
+    scored = {r["step"]: r["held_back_tau3"] for r in records}
+    assert len(scored) == records[-1]["step"] > 1
+    chosen = records[-1]["selected_step"]
+    assert chosen == min(s for s, tau in scored.items() if tau == max(scored.values()))
+    model = load_checkpoint(tmp_path / "draft")
+    model.load_state_dict(torch.load(tmp_path / "weights/rank-0.pt"))
+    held = train.held_back([sequence_lengths(p) for p in shards], settings)
+    tau = train.held_back_tau(model, shards, held, load_embeddings(target), settings["max_batch_tokens"], "cpu")
+    assert tau == pytest.approx(scored[chosen], abs=1e-5)
