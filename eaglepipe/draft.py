@@ -318,7 +318,8 @@ class Eagle3Draft(nn.Module):
         [B, T, H] is the embedding of the token fed at step j (x_{t+1+j} at position t); packing: a Packing or a
         dense mask [B, T, T]."""
         if self.config.fc_norm:  # as vLLM's combine_hidden_states: each aux layer's chunk normed on its own
-            aux = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, aux.chunk(len(self.fc_norm), -1), strict=True)], -1)
+            chunks = aux.chunk(len(self.fc_norm), -1)
+            aux = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks, strict=True)], -1)
         hidden = self.fc(aux)
         cache: list = []
         packing = Packing.of(packing)

@@ -399,8 +399,8 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
         running = stats.detach() if running is None else running + stats.detach()
         fold = step % settings["log_every"] == 0 or step == total or (every and step % every == 0)
         if fold:  # the same steps on every rank (a collective); the device is synchronised only here
-            for j, (l, correct, count) in enumerate(all_sum(running, device).tolist()):
-                acc_sum[j][0] += l
+            for j, (loss_sum, correct, count) in enumerate(all_sum(running, device).tolist()):
+                acc_sum[j][0] += loss_sum
                 acc_sum[j][1] += int(correct)
                 acc_sum[j][2] += int(count)
             running = None
