@@ -26,7 +26,7 @@ rule synthesize_prompts:
     benchmark:
         "benchmarks/synthesize_prompts.tsv"
     script:
-        "../scripts/synthesize.py"
+        "../scripts/synthesize_prompts.py"
 
 
 rule prompts:
