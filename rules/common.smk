@@ -16,9 +16,7 @@ SCHEMA = workflow.source_path("../config/schema.yaml")
 
 # The one check of the configuration (eaglepipe.preflight.check_workflow), before anything else reads it.
 try:
-    TARGET_FACTS = eaglepipe.preflight.check_workflow(
-        config, SCHEMA, embedded_target=EMBEDDED_TARGET
-    )
+    TARGET_FACTS = eaglepipe.preflight.check_workflow(config, SCHEMA, embedded_target=EMBEDDED_TARGET)
 except eaglepipe.config.ConfigError as err:
     raise WorkflowError(str(err)) from None
 

@@ -1,6 +1,4 @@
 rule evaluate:
-    conda:
-        "../envs/eaglepipe.yaml"
     input:
         shards=HIDDEN_SHARDS["eval"],
         manifest=rules.manifest.output.manifest,
@@ -10,15 +8,17 @@ rule evaluate:
         target=target_dir(),
     output:
         acceptance="results/eval/acceptance.json",
+    log:
+        "logs/evaluate.log",
+    conda:
+        "../envs/eaglepipe.yaml"
+    threads: config["evaluate"]["threads"]
+    resources:
+        gpu=1 if config["evaluate"]["device"].startswith("cuda") else 0,
     params:
         max_k=config["evaluate"]["max_k"],
         max_tokens=config["evaluate"]["max_batch_tokens"],
         device=config["evaluate"]["device"],
         temperatures=config["evaluate"]["temperatures"],
-    threads: config["evaluate"]["threads"]
-    resources:
-        gpu=1 if config["evaluate"]["device"].startswith("cuda") else 0,
-    log:
-        "logs/evaluate.log",
     script:
         "../scripts/evaluate.py"

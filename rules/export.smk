@@ -1,6 +1,4 @@
 rule export:
-    conda:
-        "../envs/eaglepipe.yaml"
     input:
         config=rules.train.output.config,
         model=rules.train.output.model,
@@ -10,10 +8,12 @@ rule export:
         sglang_config="results/export/sglang/config.json",
         sglang_model="results/export/sglang/model.safetensors",
         checks="results/export/checks.json",
+    log:
+        "logs/export.log",
+    conda:
+        "../envs/eaglepipe.yaml"
     params:
         serving_context=config["export"]["serving_context"],
         max_model_len=config["engine"]["max_model_len"],
-    log:
-        "logs/export.log",
     script:
         "../scripts/export.py"

@@ -2,8 +2,6 @@ SYNTHESIZE = config["prompts"]["synthesize"]
 
 
 rule synthesize_prompts:
-    conda:
-        "../envs/eaglepipe.yaml"
     input:
         target=target_dir(),
         chat_template=chat_template_file(),
@@ -11,6 +9,15 @@ rule synthesize_prompts:
     output:
         prompts="results/prompts/synthesized.parquet",
         counts="results/prompts/synthesized.json",
+    log:
+        "logs/synthesize_prompts.log",
+    benchmark:
+        "benchmarks/synthesize_prompts.tsv"
+    conda:
+        "../envs/eaglepipe.yaml"
+    threads: config["engine"]["threads"]
+    resources:
+        gpu=config["engine"]["gpus"],
     params:
         synthesize=SYNTHESIZE,
         engine=settings("engine"),
@@ -18,20 +25,11 @@ rule synthesize_prompts:
         chat_template=config["target"]["chat_template"],
         # Completed chunks for resume after a crash: not an output, so Snakemake keeps it when the job fails.
         progress="results/.progress/synthesize",
-    threads: config["engine"]["threads"]
-    resources:
-        gpu=config["engine"]["gpus"],
-    log:
-        "logs/synthesize_prompts.log",
-    benchmark:
-        "benchmarks/synthesize_prompts.tsv"
     script:
         "../scripts/synthesize_prompts.py"
 
 
 rule prompts:
-    conda:
-        "../envs/eaglepipe.yaml"
     input:
         target=target_dir(),
         sources=prompt_sources(),
@@ -40,13 +38,15 @@ rule prompts:
     output:
         train="results/prompts/train.parquet",
         eval="results/prompts/eval.parquet",
+    log:
+        "logs/prompts.log",
+    conda:
+        "../envs/eaglepipe.yaml"
     params:
         # Without synthesis the params are what they were before it existed: no rerun of finished work.
         prompts={k: v for k, v in config["prompts"].items() if k != "synthesize"},
         share=SYNTHESIZE["share"] if SYNTHESIZE["enabled"] else None,
         template_kwargs=config["generation"]["template_kwargs"],
         chat_template=config["target"]["chat_template"],
-    log:
-        "logs/prompts.log",
     script:
         "../scripts/prompts.py"

@@ -1,6 +1,4 @@
 rule report:
-    conda:
-        "../envs/eaglepipe.yaml"
     input:
         trace_stats=rules.trace_stats.output.stats,
         coverage=rules.vocab.output.coverage,
@@ -12,17 +10,17 @@ rule report:
         variants=VARIANTS_TABLE,
     output:
         summary="results/report/summary.md",
-    params:
-        target=config["target"]["name"],
     log:
         "logs/report.log",
+    conda:
+        "../envs/eaglepipe.yaml"
+    params:
+        target=config["target"]["name"],
     script:
         "../scripts/report.py"
 
 
 rule plots:
-    conda:
-        "../envs/eaglepipe.yaml"
     input:
         coverage=rules.vocab.output.coverage,
         train_log=rules.train.output.log,
@@ -61,5 +59,7 @@ rule plots:
         ),
     log:
         "logs/plots.log",
+    conda:
+        "../envs/eaglepipe.yaml"
     script:
         "../scripts/plots.py"

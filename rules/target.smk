@@ -1,12 +1,12 @@
 rule target:
-    conda:
-        "../envs/eaglepipe.yaml"
     output:
         target=directory(EMBEDDED_TARGET),
     log:
         "logs/target.log",
     benchmark:
         "benchmarks/target.tsv"
+    conda:
+        "../envs/eaglepipe.yaml"
     script:
         "../scripts/target.py"
 
@@ -14,13 +14,13 @@ rule target:
 # The target's fingerprint, weights included (eaglepipe.target.fingerprint): the input through which a checkpoint
 # changed in place re-runs the rules that read the target (the folder itself is ancient: its mtime says nothing).
 rule target_fingerprint:
-    conda:
-        "../envs/eaglepipe.yaml"
     input:
         target=target_dir(),
     output:
         fingerprint=TARGET_FINGERPRINT,
     log:
         "logs/target_fingerprint.log",
+    conda:
+        "../envs/eaglepipe.yaml"
     script:
         "../scripts/target_fingerprint.py"

@@ -1,6 +1,4 @@
 rule traces:
-    conda:
-        "../envs/eaglepipe.yaml"
     input:
         prompts="results/prompts/{split}.parquet",
         target=target_dir(),
@@ -8,6 +6,15 @@ rule traces:
         fingerprint=rules.target_fingerprint.output.fingerprint,
     output:
         shard="results/traces/{split}/shard-{i}.parquet",
+    log:
+        "logs/traces/{split}/shard-{i}.log",
+    benchmark:
+        "benchmarks/traces/{split}/shard-{i}.tsv"
+    conda:
+        "../envs/eaglepipe.yaml"
+    threads: config["engine"]["threads"]
+    resources:
+        gpu=config["engine"]["gpus"],
     params:
         engine=settings("engine"),
         generation=config["generation"],
@@ -16,25 +23,18 @@ rule traces:
         stage=split_shards("results/traces/{split}/shard-{i}.parquet"),
         chat_template=config["target"]["chat_template"],
         reasoning=config["target"]["reasoning"],
-    threads: config["engine"]["threads"]
-    resources:
-        gpu=config["engine"]["gpus"],
-    log:
-        "logs/traces/{split}/shard-{i}.log",
-    benchmark:
-        "benchmarks/traces/{split}/shard-{i}.tsv"
     script:
         "../scripts/traces.py"
 
 
 rule trace_stats:
-    conda:
-        "../envs/eaglepipe.yaml"
     input:
         shards=shards("results/traces/{split}/shard-{i}.parquet"),
     output:
         stats="results/traces/stats.json",
     log:
         "logs/trace_stats.log",
+    conda:
+        "../envs/eaglepipe.yaml"
     script:
         "../scripts/trace_stats.py"

@@ -1,8 +1,6 @@
 if not VARIANTS:
 
     rule train:
-        conda:
-            "../envs/eaglepipe.yaml"
         input:
             shards=HIDDEN_SHARDS["train"],
             manifest=rules.manifest.output.manifest,
@@ -13,15 +11,17 @@ if not VARIANTS:
             config="results/draft/config.json",
             model="results/draft/model.safetensors",
             log="results/draft/train_log.jsonl",
-        params:
-            train=settings("train"),
-        threads: config["train"]["threads"]
-        resources:
-            gpu=config["train"]["gpus"],
         log:
             "logs/train.log",
         benchmark:
             "benchmarks/train.tsv"
+        conda:
+            "../envs/eaglepipe.yaml"
+        threads: config["train"]["threads"]
+        resources:
+            gpu=config["train"]["gpus"],
+        params:
+            train=settings("train"),
         script:
             "../scripts/train.py"
 
@@ -30,28 +30,20 @@ else:
     # With train.variants the draft is the variant with the best offline tau at k = 3 on the eval split, copied
     # (rules/variants.smk trains and scores them; input functions, as those rules are defined further on).
     rule train:
-        conda:
-            "../envs/eaglepipe.yaml"
         input:
-            acceptance=lambda wildcards: expand(
-                rules.evaluate_variant.output.acceptance, variant=VARIANTS
-            ),
-            config=lambda wildcards: expand(
-                rules.train_variant.output.config, variant=VARIANTS
-            ),
-            model=lambda wildcards: expand(
-                rules.train_variant.output.model, variant=VARIANTS
-            ),
-            train_log=lambda wildcards: expand(
-                rules.train_variant.output.log, variant=VARIANTS
-            ),
+            acceptance=lambda wildcards: expand(rules.evaluate_variant.output.acceptance, variant=VARIANTS),
+            config=lambda wildcards: expand(rules.train_variant.output.config, variant=VARIANTS),
+            model=lambda wildcards: expand(rules.train_variant.output.model, variant=VARIANTS),
+            train_log=lambda wildcards: expand(rules.train_variant.output.log, variant=VARIANTS),
         output:
             config="results/draft/config.json",
             model="results/draft/model.safetensors",
             log="results/draft/train_log.jsonl",
-        params:
-            variants=list(VARIANTS),
         log:
             "logs/train.log",
+        conda:
+            "../envs/eaglepipe.yaml"
+        params:
+            variants=list(VARIANTS),
         script:
             "../scripts/select_variant.py"

@@ -8,8 +8,6 @@ wildcard_constraints:
 
 
 rule train_variant:
-    conda:
-        "../envs/eaglepipe.yaml"
     input:
         shards=HIDDEN_SHARDS["train"],
         manifest=rules.manifest.output.manifest,
@@ -20,22 +18,22 @@ rule train_variant:
         config="results/drafts/{variant}/config.json",
         model="results/drafts/{variant}/model.safetensors",
         log="results/drafts/{variant}/train_log.jsonl",
-    params:
-        train=lambda wildcards: VARIANTS[wildcards.variant],
-    threads: config["train"]["threads"]
-    resources:
-        gpu=config["train"]["gpus"],
     log:
         "logs/drafts/{variant}/train.log",
     benchmark:
         "benchmarks/drafts/{variant}/train.tsv"
+    conda:
+        "../envs/eaglepipe.yaml"
+    threads: config["train"]["threads"]
+    resources:
+        gpu=config["train"]["gpus"],
+    params:
+        train=lambda wildcards: VARIANTS[wildcards.variant],
     script:
         "../scripts/train.py"
 
 
 rule evaluate_variant:
-    conda:
-        "../envs/eaglepipe.yaml"
     input:
         shards=HIDDEN_SHARDS["eval"],
         manifest=rules.manifest.output.manifest,
@@ -45,23 +43,23 @@ rule evaluate_variant:
         target=target_dir(),
     output:
         acceptance="results/drafts/{variant}/acceptance.json",
+    log:
+        "logs/drafts/{variant}/evaluate.log",
+    conda:
+        "../envs/eaglepipe.yaml"
+    threads: config["evaluate"]["threads"]
+    resources:
+        gpu=1 if config["evaluate"]["device"].startswith("cuda") else 0,
     params:
         max_k=config["evaluate"]["max_k"],
         max_tokens=config["evaluate"]["max_batch_tokens"],
         device=config["evaluate"]["device"],
         temperatures=config["evaluate"]["temperatures"],
-    threads: config["evaluate"]["threads"]
-    resources:
-        gpu=1 if config["evaluate"]["device"].startswith("cuda") else 0,
-    log:
-        "logs/drafts/{variant}/evaluate.log",
     script:
         "../scripts/evaluate.py"
 
 
 rule benchmark_evaluate_variant:
-    conda:
-        "../envs/eaglepipe.yaml"
     input:
         shard=rules.benchmark_hidden_states.output.shard,
         questions=benchmark_questions,
@@ -72,23 +70,23 @@ rule benchmark_evaluate_variant:
         fingerprint=rules.target_fingerprint.output.fingerprint,
     output:
         acceptance="results/drafts/{variant}/benchmarks/{bench}/acceptance.json",
+    log:
+        "logs/drafts/{variant}/benchmarks/{bench}/evaluate.log",
+    conda:
+        "../envs/eaglepipe.yaml"
+    threads: config["evaluate"]["threads"]
+    resources:
+        gpu=1 if config["evaluate"]["device"].startswith("cuda") else 0,
     params:
         max_k=config["evaluate"]["max_k"],
         max_tokens=config["evaluate"]["max_batch_tokens"],
         device=config["evaluate"]["device"],
         temperatures=config["evaluate"]["temperatures"],
-    threads: config["evaluate"]["threads"]
-    resources:
-        gpu=1 if config["evaluate"]["device"].startswith("cuda") else 0,
-    log:
-        "logs/drafts/{variant}/benchmarks/{bench}/evaluate.log",
     script:
         "../scripts/benchmark_evaluate.py"
 
 
 rule variants:
-    conda:
-        "../envs/eaglepipe.yaml"
     input:
         acceptance=expand(rules.evaluate_variant.output.acceptance, variant=VARIANTS),
         train_log=expand(rules.train_variant.output.log, variant=VARIANTS),
@@ -105,10 +103,12 @@ rule variants:
             caption="../report/variants.rst",
             category="2. Training",
         ),
-    params:
-        overrides={name: config["train"]["variants"][name] for name in VARIANTS},
     log:
         "logs/variants.log",
+    conda:
+        "../envs/eaglepipe.yaml"
+    params:
+        overrides={name: config["train"]["variants"][name] for name in VARIANTS},
     script:
         "../scripts/variants.py"
 
