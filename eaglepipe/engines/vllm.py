@@ -69,7 +69,10 @@ class VllmEngine(Engine):
         if s.draft is not None:
             kwargs["speculative_config"] = {"method": "eagle3", "model": str(s.draft),
                                              "num_speculative_tokens": s.num_speculative_tokens}
+            if s.schedule is not None:
+                kwargs["speculative_config"]["num_speculative_tokens_per_batch_size"] = s.schedule
             kwargs["disable_log_stats"] = False  # the spec-decode counters come from vLLM's stat logging
+            kwargs["per_request_spec_decode_metrics"] = "summary"  # each request's accepted tokens and verify steps
         if capture_ids is not None:
             kwargs["speculative_config"] = {
                 "method": "extract_hidden_states", "num_speculative_tokens": 1,
@@ -134,6 +137,10 @@ class VllmEngine(Engine):
                 continue
             completion = out.outputs[0]
             results[i].output_ids = [int(t) for t in completion.token_ids]
+            spec = completion.spec_decode_metrics
+            if spec is not None:
+                results[i].spec_steps = sum(spec.histogram)
+                results[i].accepted_tokens = sum(j * n for j, n in enumerate(spec.histogram))
             if completion.finish_reason in ("stop", "length"):
                 results[i].finish_reason = completion.finish_reason
             else:
