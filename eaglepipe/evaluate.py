@@ -240,3 +240,31 @@ def run(shard_paths: list[str], draft_dir, output_path, **settings) -> None:
              {k: round(v, 3) for k, v in result["outside_loops"]["tau"].items()})
     for t, r in result["temperatures"].items():
         log.info("expected acceptance at temperature %s: tau %s", t, {k: round(v, 3) for k, v in r["tau"].items()})
+
+
+def continuation_rows(ids: list[str], prompts: list[list[int]], generations) -> list[dict]:
+    """Trace rows (formats.TRACE_SCHEMA) of the target's own continuations (engine Generations) of these prompts."""
+    return [{"id": i, "split": "eval", "prompt_ids": list(p), "output_ids": list(g.output_ids),
+             "loss_spans": [len(p), len(p) + len(g.output_ids)], "turns": 1, "finish_reason": g.finish_reason,
+             "prompt_tokens": len(p), "output_tokens": len(g.output_ids), "error": g.error}
+            for i, p, g in zip(ids, prompts, generations)]
+
+
+def over_texts(rows: list[dict], draft_dirs: list, *, target_dir, layer_ids: list[int], engine: dict, max_k: int,
+               max_length: int, threads: int) -> list[dict]:
+    """score() of each draft over these trace rows' texts, on hidden states at `layer_ids` extracted once by `engine`
+    into a temporary shard as the hidden_states stage does."""
+    import tempfile
+    from pathlib import Path
+
+    from . import hidden_states
+    from .formats import TRACE_SCHEMA, write_table
+
+    torch.set_num_threads(threads)
+    with tempfile.TemporaryDirectory(prefix="eaglepipe-offline-") as tmp:
+        trace_path, shard_path = Path(tmp) / "traces.parquet", Path(tmp) / "shard.safetensors"
+        write_table(trace_path, sorted(rows, key=lambda t: t["id"]), TRACE_SCHEMA)
+        hidden_states.run(trace_path, shard_path, target_dir=target_dir, layer_ids=layer_ids, engine=engine,
+                          max_length=max_length, chunk_size=max(len(rows), 1))
+        embed = load_embeddings(target_dir).float()
+        return [score(load_checkpoint(d).eval(), [str(shard_path)], embed, max_k, 4096) for d in draft_dirs]

@@ -8,6 +8,7 @@ rule bench:
         fingerprint=rules.target_fingerprint.output.fingerprint,
     output:
         served="results/bench/served.json",
+        serving="results/serve/vllm.json",
     params:
         bench=settings("bench"),
         engine=settings("engine"),

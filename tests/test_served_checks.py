@@ -46,8 +46,8 @@ def steep_target(smollm2, tmp_path_factory) -> Path:
 def steep_config(target, **bench):
     return tiny_config(target, prompts={"max_prompts": 40}, generation={"max_new_tokens": 32},
                        train={"epochs": 3}, engine={"threads": 2},
-                       bench={"ks": [2], "max_prompts": 4, "batch1_prompts": 1, "max_new_tokens": 32,
-                              "diagnose": False, **bench})
+                       bench={"max_k": 2, "batch_sizes": [1, 4], "max_prompts": 4, "run_prompts": 1,
+                              "max_new_tokens": 32, "diagnose": False, **bench})
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +71,37 @@ def test_report_html_embeds_every_plot_with_its_caption(full_run):
                     "its speedup over no draft", "Share of the generated (loss-masked) tokens",
                     "Offline acceptance against context position"):
         assert caption in html, caption
-    table = (workdir / "results/report/speedup.tsv").read_text().splitlines()
+    table = [line.split("\t") for line in (workdir / "results/report/speedup.tsv").read_text().splitlines()]
     served = json.loads((workdir / "results/bench/served.json").read_text())
-    assert table[2].split("\t")[1] == f"{served['k']['2']['served_tau']:.3f}"
+    cell = served["speedup"]["0"]["1"]["2"]
+    assert table[2][:4] == ["0", "1", "2", f"{cell['speedup']:.3f}"] and table[2][-1] == f"{cell['served_tau']:.3f}"
+    assert {row[0] for row in table[1:]} == {"0", "0.7"}  # greedy and bench.temperature
+    summary = (workdir / "results/report/summary.md").read_text()
+    assert "### Speedup over the target alone, T = 0.7" in summary and "`results/serve/vllm.json`" in summary
+
+
+def test_served_shorter_than_the_traces_agrees_with_offline_over_the_same_text(full_run, tmp_path):
+    """The bench serves 12 new tokens of prompts whose traces hold 32: offline tau over the traces is over another text;
+    the bench compares served with offline over the target's own 12-token continuations, so it agrees and no diagnosis
+    runs."""
+    source, config = full_run
+    workdir = tmp_path / "short"
+    shutil.copytree(source, workdir, symlinks=True)
+    short = steep_config(config["target"]["path"], max_new_tokens=12, diagnose=True, temperature=None, max_k=1,
+                         batch_sizes=[4], tolerance=0.1)
+    snakemake(workdir, short, "results/bench/served.json", "--rerun-triggers", "params")
+    served = json.loads((workdir / "results/bench/served.json").read_text())
+    k1 = served["k"]["1"]
+    assert served["offline"]["positions"] < sum(len(r["output_ids"]) for r in traces_of(workdir))
+    assert k1["agrees"] and served["diagnosis"] is None, k1
+    assert abs(k1["served_tau"] - k1["offline_tau"]) <= 0.1 * k1["offline_tau"]
+    assert "diagnosing" not in (workdir / "logs/bench.log").read_text()
+
+
+def traces_of(workdir):
+    from eaglepipe.formats import read_table
+
+    return [r for path in sorted((workdir / "results/traces/eval").glob("*.parquet")) for r in read_table(path)]
 
 
 def test_planted_off_by_one_layer_id_is_caught_and_named(full_run, tmp_path):
@@ -99,11 +127,18 @@ def test_planted_off_by_one_layer_id_is_caught_and_named(full_run, tmp_path):
     assert cause in (workdir / "results/report/summary.md").read_text()
 
 
-def test_baseline_drift_marks_a_bench_whose_machine_load_changed():
-    from eaglepipe.bench import baseline_speed
+def test_pairs_cancel_a_drifting_machine_and_stop_once_their_ratios_agree():
+    from eaglepipe.bench import paired
 
-    steady = baseline_speed((10.0, 40.0), (9.5, 41.0), "batch_8")
-    assert steady["baseline_tok_s"] == {"batch_1": 9.75, "batch_8": 40.5} and not steady["noisy"]
-    assert steady["baseline_runs"] == [{"batch_1": 10.0, "batch_8": 40.0}, {"batch_1": 9.5, "batch_8": 41.0}]
-    loaded = baseline_speed((2.0, 23.0), (8.0, 24.0), "batch_8")  # batch 1 timed while a neighbour ran
-    assert loaded["noisy"] and loaded["baseline_drift"] == 0.75
+    def runs(values):
+        it = iter(values)
+        return lambda: next(it)
+
+    # the machine slows by half during the cell: each pair's ratio is still 1.2, so two pairs suffice
+    steady = paired(runs([10.0, 7.5, 5.0]), runs([12.0, 9.0, 6.0]), tolerance=0.05, max_repeats=3)
+    assert steady["speedup"] == pytest.approx(1.2) and steady["repeats"] == 2 and not steady["noisy"]
+    assert steady["spread"] == pytest.approx(0.0) and steady["baseline_tok_s"] == pytest.approx(8.75)
+    # a neighbour's load hits one run of the first pair: a third pair, then the median of the three
+    loaded = paired(runs([10.0, 10.0, 10.0]), runs([6.0, 12.0, 12.5]), tolerance=0.05, max_repeats=3)
+    assert loaded["repeats"] == 3 and loaded["speedup"] == pytest.approx(1.2) and loaded["noisy"]
+    assert loaded["spread"] == pytest.approx((1.25 - 0.6) / 1.2)

