@@ -48,7 +48,7 @@ def summary(*, target: str, trace_stats, coverage, manifest, train_log, acceptan
     if benchmarks:
         lines += benchmarks_section([_load(p) for p in benchmarks])
     if served is not None:
-        lines += served_section(_load(served), man["tokens"].get("train"))
+        lines += served_section(_load(served), man["tokens"].get("train"), acc)
     with atomic_path(output_path) as tmp:
         tmp.write_text("\n".join(lines) + "\n")
 
@@ -132,7 +132,7 @@ def bucket_name(bucket: dict) -> str:
     return f"{short(bucket['from'])}+" if bucket["to"] is None else f"{short(bucket['from'])}-{short(bucket['to'])}"
 
 
-def served_section(bench: dict, train_tokens: int | None = None) -> list[str]:
+def served_section(bench: dict, train_tokens: int | None = None, acceptance: dict | None = None) -> list[str]:
     """Served against offline tau over the same text, the speedup table by temperature, batch size and k, the serving
     config chosen from it and its confirming run, the diagnosis when there is one."""
     lines = ["", "## Served through vLLM (eval prompts)", "",
@@ -156,12 +156,18 @@ def served_section(bench: dict, train_tokens: int | None = None) -> list[str]:
         for b, cells in table.items():
             base = statistics.median(c["baseline_tok_s"] for c in cells.values())
             lines.append(f"| {b} | " + " | ".join(_cell(cells[k]) for k in ks) + f" | {base:.1f} |")
+        largest = table[max(table, key=int)]
+        expected = (acceptance or {}).get("temperatures", {}).get(t) if float(t) else acceptance
+        lines += ["", f"Served tau in the timed runs at batch {max(table, key=int)}: "
+                  + ", ".join(f"k = {k} {largest[k]['served_tau']:.3f}" for k in ks)
+                  + ("" if not expected else "; offline (the evaluate stage's, eval traces): "
+                     + ", ".join(f"k = {k} {expected['tau'][k]:.3f}" for k in ks if k in expected["tau"])) + "."]
     serving = bench.get("serving")
     if serving:
         lines += ["", "### Serving config (`results/serve/vllm.json`)", "",
                   "Best k per batch size (greedy table; 0: do not speculate): "
                   + ", ".join(f"{b}: {k}" for b, k in serving["best_k"].items())
-                  + f". {serving['note'].capitalize()}.",
+                  + f". {serving['note'][0].upper()}{serving['note'][1:]}.",
                   "", f"    {serving['command']}"]
         if bench.get("dynamic"):
             lines += ["", "That config served (greedy), against the best static k at each batch size: "

@@ -8,7 +8,7 @@ Usage (the same --max-prompts and --seed as the bench's, config/examples/serve-d
 
 It selects the bench's sample of the bundle's eval prompts (eaglepipe.bench.served_rows), takes their traces from the
 bundle (traces/shard-*.parquet), extracts their hidden states with the engine (as the hidden_states stage does, into a
-temporary shard) and scores the draft on them (eaglepipe.evaluate.score); --max-new-tokens scores only the part of
+temporary shard) and scores the draft on them (eaglepipe.evaluate.over_texts); --max-new-tokens scores only the part of
 each response the bench generates. The output is an acceptance.json with
 by_sequence, plus `rescored` (engine, prompts, seed) and `bundle_tau` (the bundle's own figure over its whole eval
 split). Put it in a copy of the bundle as acceptance.json and the bench compares served with it, prompt for prompt.
