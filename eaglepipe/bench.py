@@ -6,11 +6,13 @@ served.json:
     k: {k: {served_tau (pooled over verify steps, vLLM's counters, greedy, every served prompt at the largest batch),
             served_tau_request_mean (each request's own tau from vLLM's per-request metrics, averaged), per_request
             ({id: tau}), per_position (accepted at position i / drafts), drafts, offline_tau (the draft scored offline
-            on the target's own greedy continuation of the same prompts, max_new_tokens long: the text served),
-            offline_tau_traces (the evaluate stage's, over the traces' whole responses of the same conversations when
-            acceptance.json has their counts), agrees (served within bench.tolerance of offline_tau)}}
+            on the target's own greedy continuation of the same prompts, max_new_tokens long: the text served, over
+            the verify steps greedy serving takes there, evaluate.walk), offline_tau_positions (the same text pooled
+            over every start position, the evaluate stage's definition), offline_tau_request_mean, offline_tau_traces
+            (the evaluate stage's, over the traces' whole responses of the same conversations when acceptance.json
+            has their counts), agrees (served within bench.tolerance of offline_tau)}}
     offline_text: which text offline_tau is over, in words; offline: its figures (positions, per_position up to max_k,
-        tau, tau_request_mean)
+        tau, tau_request_mean, tau_walk)
     speedup: {T: {batch size: {k: {speedup, spread, repeats, tok_s, baseline_tok_s, served_tau, noisy}}}}: output
         tokens/s with the draft over the target alone, timed A B A B (the target alone, then the draft, on the same
         prompts) so a change of the machine's load hits both; the median of the pairs' ratios, repeated until their
@@ -236,8 +238,9 @@ def assemble(served: Served, measured: dict, offline_result: dict, acceptance_fi
     traces_tau = same["tau"] if same else {}
     ks = {}
     for k, entry in measured["k"].items():
-        off = offline_result["tau"].get(k)
-        ks[k] = {**entry, "offline_tau": off, "offline_tau_request_mean": offline_result["tau_request_mean"].get(k),
+        off = offline_result["tau_walk"].get(k)
+        ks[k] = {**entry, "offline_tau": off, "offline_tau_positions": offline_result["tau"].get(k),
+                 "offline_tau_request_mean": offline_result["tau_request_mean"].get(k),
                  "offline_tau_traces": traces_tau.get(k),
                  "agrees": off is not None and abs(entry["served_tau"] - off) <= tolerance * off}
     greedy = measured["speedup"]["0"]
@@ -249,7 +252,8 @@ def assemble(served: Served, measured: dict, offline_result: dict, acceptance_fi
             "max_k": len(ks), "k": ks,
             "offline_text": (f"the target's own greedy continuation ({max_new_tokens} new tokens, as served) of the "
                              f"{len(served.ids)} served conversations"),
-            "offline": {key: offline_result[key] for key in ("positions", "per_position", "tau", "tau_request_mean")},
+            "offline": {key: offline_result[key] for key in ("positions", "per_position", "tau", "tau_request_mean",
+                                                             "tau_walk")},
             "speedup": measured["speedup"], "dynamic": dynamic, "dynamic_vs_best_static": versus,
             "confirms": None if versus is None else all(v >= DYNAMIC_FLOOR for v in versus.values()),
             "diagnosis": None}

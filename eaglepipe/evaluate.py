@@ -21,6 +21,9 @@ evaluate.max_batch_tokens, so buckets past it stay empty); the buckets' tau - 1 
 overall tau - 1.
 temperatures: {"T": {positions, per_position, tau, tau_request_mean, requests, by_position}}: the same figures as the
 expected acceptance under vLLM's speculative sampling at temperature T (sampled_survival).
+tau_walk: tau as greedy serving measures it on this text: verify steps walk each conversation from its first start, each
+step jumping past the tokens it accepted (`walk`), so starts inside an accepted run are not steps; it differs from the
+pooled tau where acceptance comes in runs.
 """
 
 from __future__ import annotations
@@ -171,6 +174,24 @@ def figures(survived: torch.Tensor, owners: torch.Tensor, positions: torch.Tenso
     }
 
 
+def walk(lengths: torch.Tensor, owners: torch.Tensor, positions: torch.Tensor, max_k: int) -> dict[str, float]:
+    """tau per k over the verify steps greedy serving takes: in each conversation from its first start, a step at
+    start p accepts min(lengths[p], k) tokens and the next step is at p + accepted + 1, while that is a start."""
+    at = {(int(o), int(p)): int(n) for o, p, n in zip(owners.tolist(), positions.tolist(), lengths.tolist())}
+    firsts = {}
+    for o, p in at:
+        firsts[o] = min(p, firsts.get(o, p))
+    tau = {}
+    for k in range(1, max_k + 1):
+        steps = accepted = 0
+        for o, p in firsts.items():
+            while (o, p) in at:
+                n = min(at[(o, p)], k)
+                steps, accepted, p = steps + 1, accepted + n, p + n + 1
+        tau[str(k)] = 1.0 + accepted / max(steps, 1)
+    return tau
+
+
 def add_histograms(table: dict[str, list[int]], lengths: torch.Tensor, owners: torch.Tensor, ids: list[str],
                    max_k: int) -> None:
     """Add each sequence's counts of accepted lengths 0..max_k to table[id] (ids in shard order; an id met twice,
@@ -196,13 +217,15 @@ def subset(acceptance: dict, ids) -> dict | None:
 def score(model, shard_paths: list[str], embed: torch.Tensor, max_k: int, max_tokens: int, device: str = "cpu",
           head: torch.Tensor | None = None, temperatures=()) -> dict:
     """acceptance.json's content for these shards (head: the target's lm_head on `device`, for temperatures)."""
-    parts, by_sequence, conversations = [], {}, {}
+    parts, by_sequence, conversations, sequences, seen = [], {}, {}, [torch.zeros(0, dtype=torch.int64)], 0
     common_dtype(sorted(shard_paths))  # mixed bf16 and fp8 shards are refused, the odd shard named
     for path in sorted(shard_paths):
         shard, metadata = read_hidden_shard(path)
         found = accepted_lengths(model, shard, embed, max_k, max_tokens, device, loop_tokens(shard), head, temperatures)
         ids = metadata.get("ids") or [f"{path}#{i}" for i in range(shard["cu_seqlens"].numel() - 1)]
         add_histograms(by_sequence, found.lengths, found.owners, ids, max_k)
+        sequences.append(found.owners + seen)  # one index per sequence across shards: the walk's unit
+        seen += len(ids)
         # one index per conversation id across shards (turns of one conversation are one request)
         found.owners = torch.tensor([conversations.setdefault(i, len(conversations)) for i in ids],
                                     dtype=torch.int64)[found.owners]
@@ -212,6 +235,7 @@ def score(model, shard_paths: list[str], embed: torch.Tensor, max_k: int, max_to
     outside = {**summarise(survival(found.lengths[~looped], max_k)),
                "starts_in_loops": float(looped.sum()) / max(looped.numel(), 1)}
     return {"max_k": max_k, **figures(survival(found.lengths, max_k), found.owners, found.positions),
+            "tau_walk": walk(found.lengths, torch.cat(sequences), found.positions, max_k),
             "by_sequence": by_sequence, "outside_loops": outside,
             "temperatures": {str(t): figures(found.sampled[t], found.owners, found.positions) for t in temperatures}}
 

@@ -138,13 +138,17 @@ def served_section(bench: dict, train_tokens: int | None = None, acceptance: dic
     lines = ["", "## Served through vLLM (eval prompts)", "",
              f"{bench['prompts']} prompts, {bench['max_new_tokens']} new tokens. Served tau: greedy, every served "
              "prompt (vLLM's counters, pooled over verify steps; and each request's own, from vLLM's per-request metrics, "
-             f"averaged). Offline tau over the same text: {bench['offline_text']}; beside it the evaluate stage's over "
-             "the traces' whole responses of the same conversations, a different text.", "",
-             "| k | served tau, pooled | served tau, mean over requests | offline tau, same text | agrees | "
-             "offline tau, traces' whole responses |", "|---|---|---|---|---|---|"]
+             f"averaged). Offline tau over the same text: {bench['offline_text']}, over the verify steps greedy "
+             "serving takes on it (each jumps past the tokens it accepted) and, as the evaluate stage counts, over "
+             "every start position; last, the evaluate stage's over the traces' whole responses of the same "
+             "conversations, a different text.", "",
+             "| k | served tau, pooled | served tau, mean over requests | offline tau, same text, serving's steps | "
+             "agrees | offline tau, same text, every start | offline tau, traces' whole responses |",
+             "|---|---|---|---|---|---|---|"]
     for k, r in bench["k"].items():
         lines.append(f"| {k} | {r['served_tau']:.3f} | {_num(r['served_tau_request_mean'])} | "
-                     f"{_num(r['offline_tau'])} | {'yes' if r['agrees'] else 'NO'} | {_num(r['offline_tau_traces'])} |")
+                     f"{_num(r['offline_tau'])} | {'yes' if r['agrees'] else 'NO'} | "
+                     f"{_num(r.get('offline_tau_positions'))} | {_num(r['offline_tau_traces'])} |")
     ks = list(bench["k"])
     for t, table in bench["speedup"].items():
         lines += ["", f"### Speedup over the target alone, T = {t}" + (" (greedy)" if float(t) == 0 else ""), "",

@@ -87,13 +87,14 @@ def test_the_report_shows_each_table_the_command_and_what_the_draft_is():
                    for b, row in table.items()} for t in ("0", "0.7")}
     bench = {"prompts": 16, "max_new_tokens": 64, "offline_text": "the same text", "diagnosis": None,
              "k": {"1": {"served_tau": 1.3, "served_tau_request_mean": 1.31, "offline_tau": 1.29, "agrees": True,
-                         "offline_tau_traces": 1.4},
+                         "offline_tau_positions": 1.35, "offline_tau_traces": 1.4},
                    "2": {"served_tau": 1.2, "served_tau_request_mean": 1.2, "offline_tau": 1.4, "agrees": False,
-                         "offline_tau_traces": 1.5}},
+                         "offline_tau_positions": 1.45, "offline_tau_traces": 1.5}},
              "speedup": speedup, "serving": serving("t", "d", table, 0.0), "confirms": True,
              "dynamic": {"1": cell(1.19, 1.3), "8": cell(0.99, 1.0)}, "dynamic_vs_best_static": {"1": 0.99, "8": 1.24}}
     text = "\n".join(served_section(bench, 155_000, {"tau": {"1": 1.3}, "temperatures": {"0.7": {"tau": {"1": 1.2}}}}))
-    assert "| 1 | 1.300 | 1.310 | 1.290 | yes | 1.400 |" in text and "| 2 | 1.200 | 1.200 | 1.400 | NO | 1.500 |" in text
+    assert "| 1 | 1.300 | 1.310 | 1.290 | yes | 1.350 | 1.400 |" in text
+    assert "| 2 | 1.200 | 1.200 | 1.400 | NO | 1.450 | 1.500 |" in text
     assert "| 8 | 0.80x +-3% | 0.60x +-3% * | 10.0 |" in text  # k = 2 at batch 8 marked noisy
     assert "### Speedup over the target alone, T = 0.7" in text and "k = 1 1.200" in text
     assert "Best k per batch size (greedy table; 0: do not speculate): 1: 1, 8: 0." in text

@@ -68,7 +68,7 @@ def test_report_html_embeds_every_plot_with_its_caption(full_run):
     assert all(png.startswith(b"\x89PNG") and len(png) > 10_000 for png in pngs.values())
     assert len(re.findall("iVBORw0KGgo", html)) >= 5  # the five plots embedded as base64 PNG
     for caption in ("Share of drafts whose first i tokens the target accepted", "one line per unroll step",
-                    "its speedup over no draft", "Share of the generated (loss-masked) tokens",
+                    "Speedup of output tokens per second through vLLM", "Share of the generated (loss-masked) tokens",
                     "Offline acceptance against context position"):
         assert caption in html, caption
     table = [line.split("\t") for line in (workdir / "results/report/speedup.tsv").read_text().splitlines()]

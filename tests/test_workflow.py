@@ -129,7 +129,8 @@ def test_every_artifact_is_produced_and_consistent(first_run):
     assert sorted(acceptance["by_sequence"]) == sorted(eval_ids)
     # offline over the text served: the target's own 8-token continuations of the served prompts, not the 12-token
     # traces
-    assert k2["offline_tau"] == served["offline"]["tau"]["2"] and served["offline"]["positions"] > 0
+    assert k2["offline_tau"] == served["offline"]["tau_walk"]["2"] and served["offline"]["positions"] > 0
+    assert k2["offline_tau_positions"] == served["offline"]["tau"]["2"]
     assert "8 new tokens" in served["offline_text"] and served["offline"]["positions"] < same["positions"]
     # per request: vLLM's per-request metrics, one tau per served prompt that drafted
     assert set(k2["per_request"]) <= set(served["served_ids"]) and k2["per_request"]
