@@ -137,7 +137,8 @@ def served_section(bench: dict, train_tokens: int | None = None, acceptance: dic
     config chosen from it and its confirming run, the diagnosis when there is one."""
     lines = ["", "## Served through vLLM (eval prompts)", "",
              f"{bench['prompts']} prompts, {bench['max_new_tokens']} new tokens. Served tau: greedy, every served "
-             "prompt (vLLM's counters, pooled over verify steps; and each request's own, from vLLM's per-request metrics, "
+             "prompt (vLLM's counters, pooled over verify steps; and each request's own, from vLLM's per-request "
+             "metrics, "
              f"averaged). Offline tau over the same text: {bench['offline_text']}, over the verify steps greedy "
              "serving takes on it (each jumps past the tokens it accepted) and, as the evaluate stage counts, over "
              "every start position; last, the evaluate stage's over the traces' whole responses of the same "
