@@ -29,7 +29,8 @@ def served_tau(eng, prompts: list[list[int]], sampling) -> tuple[float, int, flo
     drafts = after["drafts"] - before["drafts"]
     per_pos = [a - b for a, b in zip(after["accepted_per_pos"], before["accepted_per_pos"] or
                                      [0] * len(after["accepted_per_pos"]))]
-    return 1 + (after["accepted_tokens"] - before["accepted_tokens"]) / max(drafts, 1), drafts, std_error(per_pos, drafts)
+    tau = 1 + (after["accepted_tokens"] - before["accepted_tokens"]) / max(drafts, 1)
+    return tau, drafts, std_error(per_pos, drafts)
 
 
 def std_error(accepted_per_pos: list[int], drafts: int) -> float:
@@ -69,8 +70,9 @@ def template_variants(tokenizer, conversations: list[list[dict]], template_kwarg
         [render(target_tokenizer, m, template_kwargs) for m in conversations],
         "without add_generation_prompt": [render(tokenizer, m, template_kwargs, False) for m in conversations],
         # An empty system turn suppresses a template's default system prompt (SmolLM2's ChatML template has one).
-        "empty system prompt": [render(tokenizer, m if m[0]["role"] == "system" else
-                                       [{"role": "system", "content": ""}, *m], template_kwargs) for m in conversations],
+        "empty system prompt": [
+            render(tokenizer, m if m[0]["role"] == "system" else [{"role": "system", "content": ""}, *m],
+                   template_kwargs) for m in conversations],
         "system turns dropped": [render(tokenizer, [t for t in m if t["role"] != "system"] or m, template_kwargs)
                                  for m in conversations],
         "without template kwargs": [render(tokenizer, m, {}) for m in conversations] if template_kwargs else None,
@@ -122,7 +124,8 @@ def name_cause(results: list[dict], *, offline: float, tolerance: float) -> str 
     gain, noise = best["served_tau"] - base["served_tau"], 2 * (base["std_error"] ** 2 + best["std_error"] ** 2) ** 0.5
     if gain <= tolerance * offline or gain <= noise:
         return None
-    recovered = f"served tau recovers to {best['served_tau']:.3f} (from {base['served_tau']:.3f}; offline {offline:.3f})"
+    recovered = (f"served tau recovers to {best['served_tau']:.3f} (from {base['served_tau']:.3f}; "
+                 f"offline {offline:.3f})")
     if best["kind"] == "layer_ids":
         # Serving with ids moved by `shift` recovers, so the config's ids are off by -shift.
         return (f"aux layer ids off by {-best['shift']:+d}: draft config has {base['layer_ids']}, {recovered} "

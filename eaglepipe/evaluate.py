@@ -21,6 +21,9 @@ evaluate.max_batch_tokens, so buckets past it stay empty); the buckets' tau - 1 
 overall tau - 1.
 temperatures: {"T": {positions, per_position, tau, tau_request_mean, requests, by_position}}: the same figures as the
 expected acceptance under vLLM's speculative sampling at temperature T (sampled_survival).
+tau_walk: tau as greedy serving measures it on this text: verify steps walk each conversation from its first start, each
+step jumping past the tokens it accepted (`walk`), so starts inside an accepted run are not steps; it differs from the
+pooled tau where acceptance comes in runs.
 """
 
 from __future__ import annotations
@@ -159,7 +162,8 @@ def figures(survived: torch.Tensor, owners: torch.Tensor, positions: torch.Tenso
     max_k = survived.shape[1]
     requests = int(owners.max()) + 1 if owners.numel() else 0
     sums = torch.zeros(requests, max_k, dtype=torch.float64).index_add_(0, owners, survived.double())
-    counts = torch.zeros(requests, dtype=torch.float64).index_add_(0, owners, torch.ones_like(owners, dtype=torch.float64))
+    ones = torch.ones_like(owners, dtype=torch.float64)
+    counts = torch.zeros(requests, dtype=torch.float64).index_add_(0, owners, ones)
     own = sums[counts > 0] / counts[counts > 0, None]  # per conversation: mean survival per draft position
     return {
         **summarise(survived),
@@ -169,6 +173,24 @@ def figures(survived: torch.Tensor, owners: torch.Tensor, positions: torch.Tenso
         "by_position": [{"from": a, "to": b, **summarise(survived[(positions >= a) & (positions < (b or 1 << 62))])}
                         for a, b in zip(POSITION_BUCKETS, POSITION_BUCKETS[1:] + (None,))],
     }
+
+
+def walk(lengths: torch.Tensor, owners: torch.Tensor, positions: torch.Tensor, max_k: int) -> dict[str, float]:
+    """tau per k over the verify steps greedy serving takes: in each conversation from its first start, a step at
+    start p accepts min(lengths[p], k) tokens and the next step is at p + accepted + 1, while that is a start."""
+    at = {(int(o), int(p)): int(n) for o, p, n in zip(owners.tolist(), positions.tolist(), lengths.tolist())}
+    firsts = {}
+    for o, p in at:
+        firsts[o] = min(p, firsts.get(o, p))
+    tau = {}
+    for k in range(1, max_k + 1):
+        steps = accepted = 0
+        for o, p in firsts.items():
+            while (o, p) in at:
+                n = min(at[(o, p)], k)
+                steps, accepted, p = steps + 1, accepted + n, p + n + 1
+        tau[str(k)] = 1.0 + accepted / max(steps, 1)
+    return tau
 
 
 def add_histograms(table: dict[str, list[int]], lengths: torch.Tensor, owners: torch.Tensor, ids: list[str],
@@ -196,13 +218,15 @@ def subset(acceptance: dict, ids) -> dict | None:
 def score(model, shard_paths: list[str], embed: torch.Tensor, max_k: int, max_tokens: int, device: str = "cpu",
           head: torch.Tensor | None = None, temperatures=()) -> dict:
     """acceptance.json's content for these shards (head: the target's lm_head on `device`, for temperatures)."""
-    parts, by_sequence, conversations = [], {}, {}
+    parts, by_sequence, conversations, sequences, seen = [], {}, {}, [torch.zeros(0, dtype=torch.int64)], 0
     common_dtype(sorted(shard_paths))  # mixed bf16 and fp8 shards are refused, the odd shard named
     for path in sorted(shard_paths):
         shard, metadata = read_hidden_shard(path)
         found = accepted_lengths(model, shard, embed, max_k, max_tokens, device, loop_tokens(shard), head, temperatures)
         ids = metadata.get("ids") or [f"{path}#{i}" for i in range(shard["cu_seqlens"].numel() - 1)]
         add_histograms(by_sequence, found.lengths, found.owners, ids, max_k)
+        sequences.append(found.owners + seen)  # one index per sequence across shards: the walk's unit
+        seen += len(ids)
         # one index per conversation id across shards (turns of one conversation are one request)
         found.owners = torch.tensor([conversations.setdefault(i, len(conversations)) for i in ids],
                                     dtype=torch.int64)[found.owners]
@@ -212,6 +236,7 @@ def score(model, shard_paths: list[str], embed: torch.Tensor, max_k: int, max_to
     outside = {**summarise(survival(found.lengths[~looped], max_k)),
                "starts_in_loops": float(looped.sum()) / max(looped.numel(), 1)}
     return {"max_k": max_k, **figures(survival(found.lengths, max_k), found.owners, found.positions),
+            "tau_walk": walk(found.lengths, torch.cat(sequences), found.positions, max_k),
             "by_sequence": by_sequence, "outside_loops": outside,
             "temperatures": {str(t): figures(found.sampled[t], found.owners, found.positions) for t in temperatures}}
 
@@ -223,7 +248,8 @@ def measure(shard_paths: list[str], draft_dir, *, target_dir, max_k: int, max_to
     provenance.check(draft_dir, target_dir=target_dir, manifest_path=manifest_path, remedy=remedy)
     torch.set_num_threads(threads)
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError("config key evaluate.device is 'cuda' but torch sees no CUDA device; set evaluate.device: cpu")
+        raise RuntimeError("config key evaluate.device is 'cuda' but torch sees no CUDA device; "
+                           "set evaluate.device: cpu")
     model = load_checkpoint(draft_dir).eval().to(device)
     embed = load_embeddings(target_dir).float().to(device)
     head = load_lm_head(target_dir).float().to(device) if temperatures else None
@@ -240,3 +266,31 @@ def run(shard_paths: list[str], draft_dir, output_path, **settings) -> None:
              {k: round(v, 3) for k, v in result["outside_loops"]["tau"].items()})
     for t, r in result["temperatures"].items():
         log.info("expected acceptance at temperature %s: tau %s", t, {k: round(v, 3) for k, v in r["tau"].items()})
+
+
+def continuation_rows(ids: list[str], prompts: list[list[int]], generations) -> list[dict]:
+    """Trace rows (formats.TRACE_SCHEMA) of the target's own continuations (engine Generations) of these prompts."""
+    return [{"id": i, "split": "eval", "prompt_ids": list(p), "output_ids": list(g.output_ids),
+             "loss_spans": [len(p), len(p) + len(g.output_ids)], "turns": 1, "finish_reason": g.finish_reason,
+             "prompt_tokens": len(p), "output_tokens": len(g.output_ids), "error": g.error}
+            for i, p, g in zip(ids, prompts, generations)]
+
+
+def over_texts(rows: list[dict], draft_dirs: list, *, target_dir, layer_ids: list[int], engine: dict, max_k: int,
+               max_length: int, threads: int) -> list[dict]:
+    """score() of each draft over these trace rows' texts, on hidden states at `layer_ids` extracted once by `engine`
+    into a temporary shard as the hidden_states stage does."""
+    import tempfile
+    from pathlib import Path
+
+    from . import hidden_states
+    from .formats import TRACE_SCHEMA, write_table
+
+    torch.set_num_threads(threads)
+    with tempfile.TemporaryDirectory(prefix="eaglepipe-offline-") as tmp:
+        trace_path, shard_path = Path(tmp) / "traces.parquet", Path(tmp) / "shard.safetensors"
+        write_table(trace_path, sorted(rows, key=lambda t: t["id"]), TRACE_SCHEMA)
+        hidden_states.run(trace_path, shard_path, target_dir=target_dir, layer_ids=layer_ids, engine=engine,
+                          max_length=max_length, chunk_size=max(len(rows), 1))
+        embed = load_embeddings(target_dir).float()
+        return [score(load_checkpoint(d).eval(), [str(shard_path)], embed, max_k, 4096) for d in draft_dirs]

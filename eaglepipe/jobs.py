@@ -358,27 +358,19 @@ def bench(smk) -> None:
     _start(smk, gpus=True)
     from . import bench as stage
 
-    b = smk.params.bench
     stage.run(
         smk.input.prompts,
         Path(smk.input.model).parent,
         smk.input.acceptance,
         smk.output.served,
+        smk.output.serving,
         target_dir=smk.input.target,
         engine=_engine(smk),
-        ks=b["ks"],
-        batch_size=b["batch_size"],
-        batch1_prompts=b["batch1_prompts"],
-        max_prompts=b["max_prompts"],
-        max_new_tokens=b["max_new_tokens"],
-        tolerance=b["tolerance"],
+        bench=smk.params.bench,
         template_kwargs=smk.params.template_kwargs,
         traces=list(smk.input.traces),
-        diagnose=b["diagnose"],
-        diagnose_prompts=b["diagnose_prompts"],
         chat_template=smk.params.chat_template,
         multi_turn=smk.params.multi_turn,
-        seed=b["seed"],
     )
 
 

@@ -35,7 +35,8 @@ def coverage(coverage_path, output_path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(sizes, shares, marker="o")
     ax.axvline(cov["draft_vocab_size"], color="grey", linestyle="--", label=f"draft vocab {cov['draft_vocab_size']}")
-    ax.set(xscale="log", xlabel="draft vocabulary size (most frequent tokens)", ylabel="coverage of generated tokens (%)",
+    ax.set(xscale="log", xlabel="draft vocabulary size (most frequent tokens)",
+           ylabel="coverage of generated tokens (%)",
            title=f"Vocabulary coverage ({cov['counted_tokens']} tokens, {cov['distinct_tokens']} distinct)")
     ticks = sorted(set(sizes) | {cov["draft_vocab_size"]})
     ax.set_xticks(ticks, [str(t) for t in ticks])  # plain sizes, not powers of ten
@@ -68,10 +69,14 @@ def acceptance(acceptance_path, served_path, output_path) -> None:
     acc, served = _load(acceptance_path), _load(served_path)
     fig, ax = plt.subplots(figsize=(6, 4))
     positions = range(1, len(acc["per_position"]) + 1)
-    ax.plot(positions, acc["per_position"], marker="o", color="black", label="offline (eval split)")
+    ax.plot(positions, acc["per_position"], marker="o", color="black", label="offline (eval traces)")
+    same = served.get("offline")
+    if same:
+        ax.plot(range(1, len(same["per_position"]) + 1), same["per_position"], marker="o", color="grey",
+                label="offline, the text served")
     for k, r in served["k"].items():
         ax.plot(range(1, len(r["per_position"]) + 1), r["per_position"], marker="s", linestyle="--",
-                label=f"served, k={k}: tau {r['served_tau']:.2f} (offline {_fmt(r['offline_tau'])})")
+                label=f"served, k={k}: tau {r['served_tau']:.2f} (offline, same text {_fmt(r['offline_tau'])})")
     ax.set(xlabel="draft position", ylabel="share of drafts accepted up to here", ylim=(0, 1.05),
            title="Acceptance per draft position, offline vs served")
     ax.set_xticks(list(positions))
@@ -104,39 +109,40 @@ def positions(acceptance_path, output_path) -> None:
 
 
 def speedup(served_path, output_path) -> None:
-    """Output tokens/s without and with the draft at batch 1 and the batched setting, speedup on each bar."""
+    """Speedup over the target alone against batch size, one line per k (and the chosen schedule), one panel per
+    temperature; 1 (the target alone) dashed."""
     served = _load(served_path)
-    batches = ["batch_1", f"batch_{served['batch_size']}"]
-    rows = [("no draft", served["baseline_tok_s"], None)]
-    rows += [(f"draft k={k}", r["tok_s"], r["speedup"]) for k, r in served["k"].items()]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.8 / len(rows)
-    for i, (name, tok_s, ratio) in enumerate(rows):
-        xs = [b + i * width for b in range(len(batches))]
-        bars = ax.bar(xs, [tok_s[b] for b in batches], width, label=name)
-        if ratio is not None:
-            ax.bar_label(bars, labels=[f"{ratio[b]:.2f}x" for b in batches], fontsize="small")
-    ax.set_xticks([b + 0.4 - width / 2 for b in range(len(batches))], [b.replace("_", " ") for b in batches])
-    ax.set(ylabel="output tokens/s", title=f"Served speed through vLLM ({served['prompts']} prompts, "
-                                           f"{served['max_new_tokens']} new tokens)")
-    ax.margins(y=0.15)  # room for the speedup labels above the tallest bar
-    ax.legend(fontsize="small", loc="upper left")
-    ax.grid(True, axis="y", alpha=0.3)
+    tables = served["speedup"]
+    fig, axes = plt.subplots(1, len(tables), figsize=(5 * len(tables), 4), sharey=True, squeeze=False)
+    for ax, (t, table) in zip(axes[0], tables.items()):
+        sizes = [int(b) for b in table]
+        for k in served["k"]:
+            ax.plot(sizes, [table[b][k]["speedup"] for b in table], marker="o", label=f"k = {k}")
+        if float(t) == 0 and served.get("dynamic"):
+            ax.plot(sizes, [served["dynamic"][b]["speedup"] for b in table], marker="s", color="black",
+                    linestyle=":", label="serving config (vllm.json)")
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+        ax.set(xscale="log", xlabel="batch size (concurrent requests)", title=f"T = {t}")
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.minorticks_off()
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("speedup over the target alone")
+    axes[0][0].legend(fontsize="small")
+    fig.suptitle(f"Served through vLLM ({served['max_new_tokens']} new tokens a request)")
     _save(fig, output_path)
 
 
 def speedup_table(served_path, output_path) -> None:
-    """The speedup table as TSV: one row per k."""
+    """The speedup table as TSV: one row per temperature, batch size and k (k `schedule`: the chosen config)."""
     served = _load(served_path)
-    batch = f"batch_{served['batch_size']}"
-    lines = ["k\tserved_tau\toffline_tau\tagrees\ttok_s_batch_1\tspeedup_batch_1\t"
-             f"tok_s_{batch}\tspeedup_{batch}",
-             f"none\t\t\t\t{served['baseline_tok_s']['batch_1']:.2f}\t1.00\t{served['baseline_tok_s'][batch]:.2f}\t1.00"]
-    for k, r in served["k"].items():
-        offline = "" if r["offline_tau"] is None else f"{r['offline_tau']:.3f}"
-        lines.append(f"{k}\t{r['served_tau']:.3f}\t{offline}\t{'yes' if r['agrees'] else 'no'}\t"
-                     f"{r['tok_s']['batch_1']:.2f}\t{r['speedup']['batch_1']:.2f}\t{r['tok_s'][batch]:.2f}\t"
-                     f"{r['speedup'][batch]:.2f}")
+    lines = ["temperature\tbatch_size\tk\tspeedup\tspread\tpairs\tnoisy\ttok_s\ttarget_alone_tok_s\tserved_tau"]
+    rows = [(t, b, k, c) for t, table in served["speedup"].items() for b, cells in table.items()
+            for k, c in cells.items()]
+    rows += [("0", b, "schedule", c) for b, c in (served.get("dynamic") or {}).items()]
+    for t, b, k, c in rows:
+        lines.append(f"{t}\t{b}\t{k}\t{c['speedup']:.3f}\t{c['spread']:.3f}\t{c['repeats']}\t"
+                     f"{'yes' if c['noisy'] else 'no'}\t{c['tok_s']:.2f}\t{c['baseline_tok_s']:.2f}\t"
+                     f"{c['served_tau']:.3f}")
     with atomic_path(output_path) as tmp:
         tmp.write_text("\n".join(lines) + "\n")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from .formats import atomic_path
@@ -49,7 +50,7 @@ def summary(*, target: str, trace_stats, coverage, manifest, train_log, acceptan
     if benchmarks:
         lines += benchmarks_section([_load(p) for p in benchmarks])
     if served is not None:
-        lines += served_section(_load(served))
+        lines += served_section(_load(served), man["tokens"].get("train"), acc)
     with atomic_path(output_path) as tmp:
         tmp.write_text("\n".join(lines) + "\n")
 
@@ -74,7 +75,8 @@ def acceptance_section(acc: dict) -> list[str]:
                   "tau, averaged with equal weight (SpecForge's benchmark figure)."]
     if outside:
         lines += ["", f"{100 * outside['starts_in_loops']:.1f} % of the start positions draft into the loop their "
-                  "response ends in (repeats a looping target makes trivial to draft); the last column leaves them out."]
+                  "response ends in (repeats a looping target makes trivial to draft); the last column leaves them "
+                  "out."]
     temperatures = acc.get("temperatures") or {}
     if temperatures:
         runs = {"0": acc, **temperatures}
@@ -133,21 +135,60 @@ def bucket_name(bucket: dict) -> str:
     return f"{short(bucket['from'])}+" if bucket["to"] is None else f"{short(bucket['from'])}-{short(bucket['to'])}"
 
 
-def served_section(bench: dict) -> list[str]:
-    batch = f"batch_{bench['batch_size']}"
-    lines = ["", "## Served through vLLM (eval prompts, greedy)", "",
-              f"{bench['prompts']} prompts, {bench['max_new_tokens']} new tokens; without the draft: "
-              f"{bench['baseline_tok_s']['batch_1']:.1f} tok/s at batch 1, {bench['baseline_tok_s'][batch]:.1f} at "
-              f"{batch.replace('_', ' ')}. Offline tau over {bench.get('offline_scope', 'the whole eval split')}.", "",
-              "| k | served tau | offline tau | agrees | tok/s batch 1 | speedup batch 1 | speedup " +
-              batch.replace("_", " ") + " |", "|---|---|---|---|---|---|---|"]
+def served_section(bench: dict, train_tokens: int | None = None, acceptance: dict | None = None) -> list[str]:
+    """Served against offline tau over the same text, the speedup table by temperature, batch size and k, the serving
+    config chosen from it and its confirming run, the diagnosis when there is one."""
+    lines = ["", "## Served through vLLM (eval prompts)", "",
+             f"{bench['prompts']} prompts, {bench['max_new_tokens']} new tokens. Served tau: greedy, every served "
+             "prompt (vLLM's counters, pooled over verify steps; and each request's own, from vLLM's per-request "
+             "metrics, "
+             f"averaged). Offline tau over the same text: {bench['offline_text']}, over the verify steps greedy "
+             "serving takes on it (each jumps past the tokens it accepted) and, as the evaluate stage counts, over "
+             "every start position; last, the evaluate stage's over the traces' whole responses of the same "
+             "conversations, a different text.", "",
+             "| k | served tau, pooled | served tau, mean over requests | offline tau, same text, serving's steps | "
+             "agrees | offline tau, same text, every start | offline tau, traces' whole responses |",
+             "|---|---|---|---|---|---|---|"]
     for k, r in bench["k"].items():
-        offline = f"{r['offline_tau']:.3f}" if r["offline_tau"] is not None else "-"
-        lines.append(f"| {k} | {r['served_tau']:.3f} | {offline} | {'yes' if r['agrees'] else 'NO'} | "
-                     f"{r['tok_s']['batch_1']:.1f} | {r['speedup']['batch_1']:.2f}x | {r['speedup'][batch]:.2f}x |")
-    if bench.get("noisy"):
-        lines += ["", f"**Speedups not figures:** the target alone ran {100 * bench['baseline_drift']:.0f} % apart "
-                  "before and after the drafts (the machine's load changed); rerun the bench on a quiet machine."]
+        lines.append(f"| {k} | {r['served_tau']:.3f} | {_num(r['served_tau_request_mean'])} | "
+                     f"{_num(r['offline_tau'])} | {'yes' if r['agrees'] else 'NO'} | "
+                     f"{_num(r.get('offline_tau_positions'))} | {_num(r['offline_tau_traces'])} |")
+    ks = list(bench["k"])
+    for t, table in bench["speedup"].items():
+        lines += ["", f"### Speedup over the target alone, T = {t}" + (" (greedy)" if float(t) == 0 else ""), "",
+                  "Output tokens/s with the draft over the target alone, timed in alternating pairs on the same "
+                  "prompts; the median of the pairs' ratios and their spread (* noisy: still wider than "
+                  "`bench.tolerance` after `bench.max_repeats` pairs).", "",
+                  "| batch size | " + " | ".join(f"k = {k}" for k in ks) + " | target alone, tok/s |",
+                  "|---|" + "---|" * (len(ks) + 1)]
+        for b, cells in table.items():
+            base = statistics.median(c["baseline_tok_s"] for c in cells.values())
+            lines.append(f"| {b} | " + " | ".join(_cell(cells[k]) for k in ks) + f" | {base:.1f} |")
+        largest = table[max(table, key=int)]
+        expected = (acceptance or {}).get("temperatures", {}).get(t) if float(t) else acceptance
+        lines += ["", f"Served tau in the timed runs at batch {max(table, key=int)}: "
+                  + ", ".join(f"k = {k} {largest[k]['served_tau']:.3f}" for k in ks)
+                  + ("" if not expected else "; offline (the evaluate stage's, eval traces): "
+                     + ", ".join(f"k = {k} {expected['tau'][k]:.3f}" for k in ks if k in expected["tau"])) + "."]
+    serving = bench.get("serving")
+    if serving:
+        lines += ["", "### Serving config (`results/serve/vllm.json`)", "",
+                  "Best k per batch size (greedy table; 0: do not speculate): "
+                  + ", ".join(f"{b}: {k}" for b, k in serving["best_k"].items())
+                  + f". {serving['note'][0].upper()}{serving['note'][1:]}.",
+                  "", f"    {serving['command']}"]
+        if bench.get("dynamic"):
+            lines += ["", "That config served (greedy), against the best static k at each batch size: "
+                      + ", ".join(f"batch {b}: {c['speedup']:.2f}x ({bench['dynamic_vs_best_static'][b]:.2f} of the "
+                                  "best static)" for b, c in bench["dynamic"].items())
+                      + (". It keeps at least 0.95 of the best static k everywhere." if bench["confirms"] else
+                         ". **It falls below 0.95 of the best static k somewhere**: the table's differences are within "
+                         "the noise there; serve more prompts (`bench.run_prompts`) or rerun on a quiet machine.")]
+    if train_tokens is not None:
+        lines += ["", f"This draft trained on {train_tokens:,} tokens" + (
+            ": drafts serve faster from several million (the data-scaling table of docs/results.md). The GPU recipe "
+            "(config/examples/h200-quality.yaml) trains one; config/examples/serve-draft.yaml serves it here."
+            if train_tokens < 1_000_000 else ".")]
     diagnosis = bench.get("diagnosis")
     if diagnosis:
         lines += ["", f"**Diagnosis** (k={diagnosis['k']}, {diagnosis['prompts']} prompts): {diagnosis['finding']}", "",
@@ -180,3 +221,11 @@ def variants_section(table: dict) -> list[str]:
                      + "".join(f"{r['benchmarks'][s]:.3f} | " for s in sets)
                      + f"{r['train_tokens']} | {r['train_seconds'] / 60:.1f} min |")
     return lines
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _cell(cell: dict) -> str:
+    return f"{cell['speedup']:.2f}x +-{100 * cell['spread']:.0f}%" + (" *" if cell["noisy"] else "")

@@ -77,7 +77,8 @@ def tiny_config(target_path: Path, **overrides) -> dict:
         "train": {"epochs": 1, "ttt_steps": 2, "max_batch_tokens": 256, "log_every": 2, "threads": 1},
         "evaluate": {"max_k": 3},
         "engine": {"name": "transformers", "cpu_kvcache_gib": 1},
-        "bench": {"ks": [2], "batch_size": 4, "batch1_prompts": 2, "max_prompts": 4, "max_new_tokens": 8},
+        "bench": {"max_k": 2, "batch_sizes": [1, 4], "run_prompts": 2, "max_repeats": 2, "max_prompts": 4,
+                  "max_new_tokens": 8},
     }
     for section, values in overrides.items():
         config.setdefault(section, {}).update(values)

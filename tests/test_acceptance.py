@@ -180,3 +180,17 @@ def test_summary_and_position_plot_name_both_means_and_every_temperature(tmp_pat
     plots.positions(tmp_path / "acceptance.json", tmp_path / "b.png")
     png = (tmp_path / "a.png").read_bytes()
     assert png.startswith(b"\x89PNG") and png == (tmp_path / "b.png").read_bytes()
+
+
+def test_the_walk_counts_the_verify_steps_greedy_serving_takes():
+    """Accepted lengths at starts 10..15 of one conversation (2, 0, 0, 1, 0, 0) and at 3..4 of another (1, 1): at
+    k = 1 the steps are at 10, 12, 13, 15 and 3 (3 accepted in 5 steps); at k = 2 at 10, 13, 15 and 3 (4 in 4)."""
+    from eaglepipe.evaluate import walk
+
+    lengths = torch.tensor([2, 0, 0, 1, 0, 0, 1, 1])
+    owners = torch.tensor([0] * 6 + [1] * 2)
+    positions = torch.tensor([10, 11, 12, 13, 14, 15, 3, 4])
+    tau = walk(lengths, owners, positions, 2)
+    assert tau == {"1": 1 + 3 / 5, "2": 1 + 4 / 4}
+    every = 1 + lengths.clamp(max=1).float().mean().item()  # pooled over every start: another figure
+    assert tau["1"] != pytest.approx(every)

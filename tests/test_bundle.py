@@ -9,6 +9,7 @@ import pytest
 
 from conftest import planned_rules, snakemake
 from eaglepipe import bench, bundle
+from eaglepipe.config import defaults
 from eaglepipe.draft import DraftConfig
 from eaglepipe.formats import PROMPT_SCHEMA, write_table
 
@@ -106,8 +107,8 @@ def test_a_draft_of_another_target_is_refused_before_the_engine_loads(tmp_path, 
     draft_bundle(tmp_path / "other", target_config, **changes)
     with pytest.raises(ValueError) as err:
         bench.run(tmp_path / "other/eval.parquet", tmp_path / "other", tmp_path / "other/acceptance.json",
-                  tmp_path / "served.json", target_dir=tiny_target, engine={}, ks=[2], batch_size=1, batch1_prompts=1,
-                  max_prompts=1, max_new_tokens=2, tolerance=0.05)
+                  tmp_path / "served.json", tmp_path / "vllm.json", target_dir=tiny_target, engine={},
+                  bench={**defaults("bench"), "max_prompts": 1, "max_new_tokens": 2})
     assert str(err.value).startswith(f"{tmp_path}/other/config.json: this draft was trained for another target")
     assert message in str(err.value) and "Set target.path to the target it was trained for" in str(err.value)
     assert not (tmp_path / "served.json").exists()

@@ -77,6 +77,6 @@ def test_multi_turn_all_skips_the_traces_prompt_ids_and_keeps_every_other_varian
     assert skipped_variants("last") == {}
     (line,) = [f"{name}: {why}" for name, why in skipped_variants("all").items()]
     assert line.startswith("prompt ids the traces used: not tried: generation.multi_turn is 'all'")
-    bench = {"batch_size": 2, "prompts": 1, "max_new_tokens": 8, "baseline_tok_s": {"batch_1": 1.0, "batch_2": 1.0},
-             "k": {}, "diagnosis": {"k": 2, "prompts": 1, "finding": "none", "variants": [], "skipped": [line]}}
+    bench = {"prompts": 1, "max_new_tokens": 8, "offline_text": "the same text", "k": {}, "speedup": {},
+             "diagnosis": {"k": 2, "prompts": 1, "finding": "none", "variants": [], "skipped": [line]}}
     assert f"Variant {line}." in "\n".join(served_section(bench))

@@ -87,3 +87,17 @@ def test_too_little_kv_memory_fails_clearly_and_leaves_no_process(smollm2):
         with open_engine(smollm2, tiny) as eng:
             eng.generate([[1, 2, 3]], Sampling(max_new_tokens=2))
     assert no_children() == []
+
+
+def test_closing_one_engine_leaves_another_open_one_serving(smollm2, prompt_ids):
+    """The bench keeps the target alone loaded beside each draft engine: closing one stops its own processes only."""
+    sampling = Sampling(max_new_tokens=6)
+    with open_engine(smollm2, VLLM) as alone:
+        before = alone.generate(prompt_ids[:2], sampling)
+        own = {p.pid for p in no_children()}
+        with open_engine(smollm2, VLLM) as other:
+            other.generate(prompt_ids[:1], sampling)
+            assert {p.pid for p in no_children()} > own  # the other engine's processes beside
+        assert {p.pid for p in no_children()} == own
+        assert [g.output_ids for g in alone.generate(prompt_ids[:2], sampling)] == [g.output_ids for g in before]
+    assert no_children() == []

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eaglepipe import bench, evaluate, export, provenance
+from eaglepipe.config import defaults
 from eaglepipe.draft import DraftConfig, Eagle3Draft, save_checkpoint
 from eaglepipe.formats import LAYER_CONVENTION, PROMPT_SCHEMA, write_table
 from eaglepipe.target import fingerprint
@@ -95,8 +96,8 @@ def refused_by(entry, folder, tmp_path, tiny_target) -> str:
                          threads=1, manifest_path=tmp_path / "manifest.json")
         elif entry == "bench":
             bench.run(folder / "eval.parquet", folder, folder / "acceptance.json", out / "served.json",
-                      target_dir=tiny_target, engine={"max_model_len": 2048}, ks=[2], batch_size=1, batch1_prompts=1,
-                      max_prompts=1, max_new_tokens=2, tolerance=0.05)
+                      out / "vllm.json", target_dir=tiny_target, engine={"max_model_len": 2048},
+                      bench={**defaults("bench"), "max_prompts": 1, "max_new_tokens": 2})
         else:
             export.run(folder, tmp_path / "manifest.json", tiny_target, out / "sglang", out / "checks.json",
                        serving_context=2048)

@@ -124,14 +124,27 @@ def test_every_artifact_is_produced_and_consistent(first_run):
     assert set(acceptance["temperatures"]) == {"0.7"} and set(acceptance["tau_request_mean"]) == {"1", "2", "3"}
     served = json.loads((workdir / "results/bench/served.json").read_text())
     k2 = served["k"]["2"]
-    same = subset(acceptance, served["served_ids"])  # offline over the conversations served
-    assert k2["drafts"] > 0 and len(k2["per_position"]) == 2 and k2["offline_tau"] == same["tau"]["2"]
-    assert k2["offline_tau_all"] == acceptance["tau"]["2"] and sorted(acceptance["by_sequence"]) == sorted(
-        r["id"] for r in read_table(workdir / "results/prompts/eval.parquet"))
-    assert served["baseline_tok_s"]["batch_1"] > 0 and k2["speedup"]["batch_4"] > 0
-    before, after = served["baseline_runs"]  # the target alone timed on both sides of the drafts
-    assert served["baseline_tok_s"]["batch_4"] == pytest.approx((before["batch_4"] + after["batch_4"]) / 2)
-    assert k2["speedup"]["batch_1"] == pytest.approx(k2["tok_s"]["batch_1"] / served["baseline_tok_s"]["batch_1"])
+    same = subset(acceptance, served["served_ids"])  # the evaluate stage's, over the same conversations' traces
+    assert k2["drafts"] > 0 and len(k2["per_position"]) == 2 and k2["offline_tau_traces"] == same["tau"]["2"]
+    eval_ids = [r["id"] for r in read_table(workdir / "results/prompts/eval.parquet")]
+    assert sorted(acceptance["by_sequence"]) == sorted(eval_ids)
+    # offline over the text served: the target's own 8-token continuations of the served prompts, not the 12-token
+    # traces
+    assert k2["offline_tau"] == served["offline"]["tau_walk"]["2"] and served["offline"]["positions"] > 0
+    assert k2["offline_tau_positions"] == served["offline"]["tau"]["2"]
+    assert "8 new tokens" in served["offline_text"] and served["offline"]["positions"] < same["positions"]
+    # per request: vLLM's per-request metrics, one tau per served prompt that drafted
+    assert set(k2["per_request"]) <= set(served["served_ids"]) and k2["per_request"]
+    assert k2["served_tau_request_mean"] == pytest.approx(sum(k2["per_request"].values()) / len(k2["per_request"]))
+    # the k x batch table at T = 0 and 0.7 (bench.temperature), each cell's pairs within bench.max_repeats
+    assert {t: sorted(table) for t, table in served["speedup"].items()} == {"0": ["1", "4"], "0.7": ["1", "4"]}
+    for cells in (c for table in served["speedup"].values() for c in table.values()):
+        assert sorted(cells) == ["1", "2"]
+        assert all(c["speedup"] > 0 and 2 <= c["repeats"] <= 2 and c["tok_s"] > 0 for c in cells.values())
+    serving = json.loads((workdir / "results/serve/vllm.json").read_text())
+    assert serving == served["serving"] and set(serving["best_k"]) == {"1", "4"}
+    if serving["speculative_config"] is not None:  # the chosen schedule was served and compared with the best k
+        assert set(served["dynamic"]) == set(served["dynamic_vs_best_static"]) == {"1", "4"}
     summary = (workdir / "results/report/summary.md").read_text()
     assert "Offline acceptance" in summary and "Draft vocabulary 512" in summary and "Served through vLLM" in summary
     assert f"{100 * stats['train']['looping_share']:.1f} % ({100 * stats['train']['looping_token_share']:.1f} % of " \
@@ -202,13 +215,14 @@ def test_a_bundle_of_the_run_is_served_without_the_pipeline(first_run, tmp_path)
     snakemake(served_dir, {**config, "bench": {**config["bench"], "draft": str(tmp_path / "bundle")}},
               "results/bench/served.json")
     assert sorted(str(p.relative_to(served_dir)) for p in (served_dir / "results").rglob("*")) == [
-        "results/bench", "results/bench/served.json", "results/target", "results/target/fingerprint.json"]
+        "results/bench", "results/bench/served.json", "results/serve", "results/serve/vllm.json", "results/target",
+        "results/target/fingerprint.json"]
     served = json.loads((served_dir / "results/bench/served.json").read_text())
     ours = json.loads((workdir / "results/bench/served.json").read_text())
     acceptance = json.loads((workdir / "results/eval/acceptance.json").read_text())
     assert served["prompts"] == ours["prompts"] > 0 and served["served_ids"] == ours["served_ids"]
-    assert served["k"]["2"]["offline_tau"] == subset(acceptance, served["served_ids"])["tau"]["2"]
-    assert served["k"]["2"]["drafts"] > 0
+    assert served["k"]["2"]["offline_tau_traces"] == subset(acceptance, served["served_ids"])["tau"]["2"]
+    assert served["k"]["2"]["drafts"] > 0 and served["offline"]["positions"] > 0
     assert served["k"]["2"]["served_tau"] == pytest.approx(ours["k"]["2"]["served_tau"], abs=0.05)
 
 

@@ -32,6 +32,9 @@ class Generation:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str = "error"  # "stop" (end-of-sequence token), "length" (max_new_tokens) or "error"
     error: str = ""
+    # Speculative decoding (vLLM with a draft): this request's verify steps and draft tokens the target accepted
+    spec_steps: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclass
@@ -92,6 +95,8 @@ class EngineSettings:
     # Not config keys: set by the bench when it serves a draft
     draft: str | None = None  # an EAGLE-3 draft checkpoint: generate with speculative decoding (vLLM)
     num_speculative_tokens: int = 3
+    # vLLM's num_speculative_tokens_per_batch_size: [[first batch size, last, k], ...]; None: k at every batch size
+    schedule: list | None = None
 
     @classmethod
     def from_config(cls, engine: dict) -> "EngineSettings":

