@@ -170,8 +170,9 @@ def serve(served: Served, grid: Grid, *, max_k: int, temperatures: list[float]) 
                                                         num_speculative_tokens=k)) as eng:
                 warm(eng, served.prompts)
                 entry = out["k"][str(k)] = acceptance(eng, served, grid.sampling(), largest)
+                mean = entry["served_tau_request_mean"]
                 log.info("k=%d: served tau %.3f pooled, %s mean over requests (%d drafts)", k, entry["served_tau"],
-                         entry["served_tau_request_mean"], entry["drafts"])
+                         "n/a" if mean is None else f"{mean:.3f}", entry["drafts"])
                 for t in temperatures:
                     row = speedups(alone, eng, served.prompts, grid, t, f"k={k}")
                     for b, cell in row.items():

@@ -19,6 +19,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import ctypes
+import functools
 import hashlib
 import json
 import logging
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from . import provenance
 from . import vocab as vocab_map
 from .batches import collate, pack, read_sequences, sequence_lengths, step_inputs, step_mask, targets
+from .compiled import token_axis_dynamic
 from .draft import DraftConfig, Eagle3Draft, save_checkpoint
 from .formats import LAYER_CONVENTION, atomic_path, common_dtype
 from .target import fingerprint as target_fingerprint
@@ -92,15 +94,41 @@ def row_losses(logits: torch.Tensor, target: torch.Tensor, loss: str) -> torch.T
     raise ValueError(f"config key train.loss: {loss!r}; expected one of {', '.join(LOSSES)}")
 
 
+def soft_ce_rows(products, rows, weight, probs):
+    """The soft cross-entropy of a chunk of loss rows from their logits products [R, Vd] (in the product dtype), the
+    rows of the soft targets probs they are taught (rows [R]) and their weights [R]: (loss [R] float32, whether the
+    argmax agrees with the target's [R] bool, the weighted gradient with respect to the logits [R, Vd] in the products'
+    dtype). Logits and softmax in float32."""
+    logits = products.float()
+    target = probs[rows].float()
+    correct = logits.argmax(-1) == target.argmax(-1)
+    lse = torch.logsumexp(logits, -1, keepdim=True)
+    mass = target.sum(-1, keepdim=True)
+    per_row = (target * (lse - logits)).sum(-1)
+    # d CE / d logits = softmax * sum(target) - target, times each row's weight.
+    grad = ((torch.exp(logits - lse) * mass - target) * weight[:, None]).to(products.dtype)
+    return per_row, correct, grad
+
+
+@functools.lru_cache(maxsize=None)
+def soft_ce_kernel(backend=None):
+    """soft_ce_rows, eager (None) or compiled by a torch.compile backend ("inductor" with train.compile): one generated
+    kernel reads a chunk's logits and targets twice (the row reductions, then the gradient) where eager makes a
+    float32 pass over [R, Vd] per operation. The row axis of products, rows, weight and probs is symbolic, so the
+    last, shorter chunk and a new batch compile nothing."""
+    return soft_ce_rows if backend is None else token_axis_dynamic(soft_ce_rows, backend, 4)
+
+
 class ChunkedLoss(torch.autograd.Function):
     """sum_r weight[r] * row_losses(hidden[r] @ head^T, probs[target_rows[r]]) with the logits of a chunk of rows at a
     time. The loss is a scalar, so the gradients are computed in the forward pass chunk by chunk and only scaled in
     the backward: neither the logits nor their gradients outlive a chunk. The products run in hidden's dtype (the
     autocast dtype), logits and softmax in float32, as the reference path does. Also returns per row the loss and
-    whether the argmax agrees with the target's (not differentiable)."""
+    whether the argmax agrees with the target's (not differentiable). backend: the soft cross-entropy of each chunk
+    compiled by this torch.compile backend (soft_ce_kernel), or eager (None)."""
 
     @staticmethod
-    def forward(ctx, hidden, head, probs, target_rows, weight, chunk: int, loss: str = "soft_ce"):
+    def forward(ctx, hidden, head, probs, target_rows, weight, chunk: int, loss: str = "soft_ce", backend=None):
         rows = hidden.shape[0]
         dtype = hidden.dtype
         with torch.autocast(hidden.device.type, enabled=False):
@@ -109,18 +137,16 @@ class ChunkedLoss(torch.autograd.Function):
             grad_w = torch.zeros(head.shape, dtype=torch.float32, device=head.device)
             per_row = torch.empty(rows, dtype=torch.float32, device=hidden.device)
             correct = torch.empty(rows, dtype=torch.bool, device=hidden.device)
+            soft_ce = soft_ce_kernel(backend)
             for a in range(0, rows, chunk):
                 h = hidden[a:a + chunk]
-                logits = (h @ w.T).float()
-                target = probs[target_rows[a:a + chunk]].float()
-                correct[a:a + chunk] = logits.argmax(-1) == target.argmax(-1)
                 if loss == "soft_ce":
-                    lse = torch.logsumexp(logits, -1, keepdim=True)
-                    mass = target.sum(-1, keepdim=True)
-                    per_row[a:a + chunk] = (target * (lse - logits)).sum(-1)
-                    # d CE / d logits = softmax * sum(target) - target, times each row's weight.
-                    g = ((torch.exp(logits - lse) * mass - target) * weight[a:a + chunk, None]).to(dtype)
-                else:  # the chunk's gradient with respect to its logits by autograd, the rest as above
+                    per_row[a:a + chunk], correct[a:a + chunk], g = soft_ce(h @ w.T, target_rows[a:a + chunk],
+                                                                            weight[a:a + chunk], probs)
+                else:  # the chunk's gradient with respect to its logits by autograd
+                    logits = (h @ w.T).float()
+                    target = probs[target_rows[a:a + chunk]].float()
+                    correct[a:a + chunk] = logits.argmax(-1) == target.argmax(-1)
                     with torch.enable_grad():
                         leaf = logits.detach().requires_grad_(True)
                         values = row_losses(leaf, target, loss)
@@ -137,16 +163,17 @@ class ChunkedLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _per_row, _correct):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss, None, None, None, None, None
+        return grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss, None, None, None, None, None, None
 
 
 class Objective(torch.nn.Module):
     """The weighted unroll loss (LOSSES, row_losses) of one rank's part of a global batch; a module so that DDP can
     wrap it. path="chunked": logits of every unroll step's loss rows in one ChunkedLoss after the unroll (needs a batch
     collated with t2d and steps); "reference": per step full logits held for the backward, the original path (the
-    naive baseline of eaglepipe.tools.bench_train)."""
+    naive baseline of eaglepipe.tools.bench_train). compile: the torch.compile backend of the chunked soft
+    cross-entropy (soft_ce_kernel; "inductor" with train.compile), or None: eager."""
 
-    def __init__(self, model: Eagle3Draft, path: str = "chunked", loss: str = "soft_ce"):
+    def __init__(self, model: Eagle3Draft, path: str = "chunked", loss: str = "soft_ce", compile=None):
         super().__init__()
         if path not in PATHS:
             raise ValueError(f"path {path!r}: expected one of {', '.join(PATHS)}")
@@ -155,6 +182,7 @@ class Objective(torch.nn.Module):
         self.model = model
         self.path = path
         self.loss = loss
+        self.compile = compile
 
     def forward(self, batch, embed, probs, valid, denominators: list[float], decay: float, scale: float):
         """Returns (loss, stats [steps, 3] float64: loss sum, correct, count per unroll step); loss = scale *
@@ -180,7 +208,7 @@ class Objective(torch.nn.Module):
         chunk = max(1, CHUNK_ELEMENTS // model.config.draft_vocab_size)
         loss, per_row, correct = ChunkedLoss.apply(torch.cat(hidden), model.lm_head.weight, probs,
                                                    batch.step_rows + 1 + batch.step_of, coef[batch.step_of], chunk,
-                                                   self.loss)
+                                                   self.loss, self.compile)
         stats = torch.zeros(steps, 3, dtype=torch.float64, device=device)
         stats[:, 0].index_add_(0, batch.step_of, per_row.double())
         stats[:, 1].index_add_(0, batch.step_of, correct.double())
@@ -347,10 +375,11 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
         log.info("resuming from the checkpoint at step %d of %d in %s", step, total, progress_dir)
     where = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
     log.info("training: %d epochs, %d steps, %d unroll steps, draft vocab %d, %d process(es), rank %d on %s, "
-             "%s hidden states", settings["epochs"], total, steps, config.draft_vocab_size, world, rank, where,
-             states_dtype)
+             "%s hidden states%s", settings["epochs"], total, steps, config.draft_vocab_size, world, rank, where,
+             states_dtype, ", compiled loss" if settings.get("compile") else "")
 
-    objective = Objective(model, loss=settings.get("loss", "soft_ce"))
+    objective = Objective(model, loss=settings.get("loss", "soft_ce"),
+                          compile="inductor" if settings.get("compile") else None)
     if world > 1:
         objective = torch.nn.parallel.DistributedDataParallel(objective, broadcast_buffers=False)
     start, first, seen_before = time.monotonic(), step, seen

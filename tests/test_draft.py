@@ -1,5 +1,6 @@
 import json
 
+import pytest
 import torch
 
 from eaglepipe.batches import collate, pack, step_inputs
@@ -112,8 +113,26 @@ def test_training_benchmark_reports_new_path_reference_and_baseline(tmp_path):
     assert 0 < r["grad_gap_new_to_fp32"] < 0.1 and 0 < r["grad_gap_naive_to_fp32"] < 0.1, r
     written = json.loads(out.read_text())
     for key in ("device", "command", "mfu", "flop_per_token", "tok_s", "peak_gib", "peak_bytes_per_token",
-                "baseline_tok_s", "loss_new", "loss_reference"):
+                "baseline_tok_s", "loss_new", "loss_reference", "startup_s"):
         assert key in written, key
+    assert 0 < r["startup_s"] < 60
+
+
+def test_training_benchmark_measures_the_compiled_loss_and_profiles_a_step():
+    """--compile: the new path again with the compiled loss in the same run, its loss within tolerance of the
+    float32 reference's and a ratio to eager; --profile N: N operators of a step by self time, largest first."""
+    from eaglepipe.tools import bench_train
+
+    summary = bench_train.main(["--preset", "tiny", "--device", "cpu", "--tokens", "128", "--seq-len", "32",
+                                "--ttt-steps", "2", "--steps", "1", "--draft-vocab", "256", "--no-baseline",
+                                "--compile", "--profile", "4"])
+    r = summary["presets"]["tiny"]
+    compiled = r["compiled"]
+    assert compiled["loss_ok"] and compiled["tok_s"] > 0 and compiled["startup_s"] > 0, compiled
+    assert compiled["speedup_over_eager"] == pytest.approx(compiled["tok_s"] / r["tok_s"])
+    rows = r["profile"]
+    assert len(rows) == 4 and all(row["calls"] >= 1 and row["name"] for row in rows), rows
+    assert [row["self_ms"] for row in rows] == sorted((row["self_ms"] for row in rows), reverse=True)
 
 
 def test_new_training_path_in_float32_has_the_reference_gradient():

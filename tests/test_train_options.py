@@ -213,3 +213,57 @@ def test_fc_norm_norms_each_aux_layer_before_fc_and_round_trips_in_vllms_names(t
     loaded = load_checkpoint(tmp_path)
     assert loaded.config.fc_norm
     torch.testing.assert_close(first_step(loaded, batch.aux), first_step(model.to(torch.bfloat16).float(), batch.aux))
+
+
+def _chunked_loss_and_grads(batch, embed, head, compile):
+    from eaglepipe.batches import targets
+
+    model = tiny_draft()
+    probs, valid = targets(batch, head, model.t2d)
+    objective = train.Objective(model, compile=compile)
+    saved, train.CHUNK_ELEMENTS = train.CHUNK_ELEMENTS, VD * 7  # 7 rows per chunk: the last chunk is shorter
+    try:
+        value, stats = objective(batch, embed, probs, valid, [float(c) for c in batch.step_counts], 0.8, 1.0)
+    finally:
+        train.CHUNK_ELEMENTS = saved
+    value.backward()
+    return value.detach(), stats, {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_compiled_loss_traces_once_with_only_the_row_axis_symbolic_and_equals_eager():
+    """train.compile's soft cross-entropy as torch.compile sees it (a backend that records each graph and runs it as
+    traced): traced whole once, then two batches of other sizes and their shorter last chunks compile nothing new; only
+    the row axis is symbolic; loss, statistics and every gradient equal the eager path's."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    head = torch.randn(VD, H, generator=torch.Generator().manual_seed(5))
+    for lengths in ([9, 4, 13, 6], [20, 9, 31], [5, 3]):
+        batch, embed = packed_inputs(lengths, 3, torch.float32)
+        got, ref = (_chunked_loss_and_grads(batch, embed, head, b) for b in (backend, None))
+        torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got[1], ref[1], rtol=1e-6, atol=1e-5)
+        for name in ref[2]:
+            torch.testing.assert_close(got[2][name], ref[2][name], rtol=1e-5, atol=1e-7, msg=name)
+    assert len(graphs) == 1, f"{len(graphs)} graphs: a new batch or chunk size recompiled"
+    inputs = [node.meta["example_value"] for node in graphs[0].graph.nodes if node.op == "placeholder"]
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    assert len(tensors) == 4 and all(isinstance(t.shape[0], torch.SymInt) for t in tensors)
+    assert all(isinstance(n, int) for t in tensors for n in t.shape[1:])
+    assert any("logsumexp" in str(node.target) for node in graphs[0].graph.nodes)
+
+
+def test_compiled_loss_by_inductor_equals_eager():
+    """The same through inductor, as train.compile runs it (on a CPU: generated C++)."""
+    torch._dynamo.reset()
+    head = torch.randn(VD, H, generator=torch.Generator().manual_seed(5))
+    batch, embed = packed_inputs([9, 4, 13, 6], 3, torch.float32)
+    got, ref = (_chunked_loss_and_grads(batch, embed, head, b) for b in ("inductor", None))
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-5)
+    for name in ref[2]:
+        torch.testing.assert_close(got[2][name], ref[2][name], rtol=1e-4, atol=1e-6, msg=name)

@@ -30,6 +30,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..compiled import can_compile, token_axis_dynamic
+
 # model_type values whose decoder layers have the modules this path calls (self_attn.{q,k,v,o}_proj, optional
 # q_norm/k_norm, input_layernorm, post_attention_layernorm, mlp) and whose model has embed_tokens, norm, rotary_emb.
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
@@ -89,42 +91,16 @@ class Kernels(NamedTuple):
     swiglu: object
 
 
-def _token_axis_dynamic(step, backend, tensors: int):
-    """step compiled with only the token axis (dim 0 of its first `tensors` arguments) symbolic: every other size
-    and stride is a constant in the generated code, so its loads vectorize and its index math has no division by a
-    runtime value (with every size symbolic, dynamic=True, the rotation and SiLU x up ran at a fraction of the memory
-    bandwidth). A call site with other static sizes (q and k heads, another model) compiles its own entry once."""
-    compiled = torch.compile(step, backend=backend, dynamic=False, fullgraph=True)
-
-    @functools.wraps(step)
-    def run(*args):
-        for t in args[:tensors]:
-            torch._dynamo.maybe_mark_dynamic(t, 0)  # "maybe": a one-token batch may specialise, not fail
-        return compiled(*args)
-    return run
-
-
 @functools.lru_cache(maxsize=None)
 def kernels(backend) -> Kernels:
     """The elementwise steps compiled by backend ("inductor" on CUDA: each a single generated kernel, so no
     intermediate round trip through memory; the token axis symbolic, so a new batch size compiles nothing), or eager
-    (None). fullgraph: a step that cannot be traced whole fails at its first call instead of running half eager."""
+    (None)."""
     # each step and how many leading tensors have the token axis
     steps = ((_add_norm, 2), (_norm_rope, 3), (_swiglu, 2))
     if backend is None:
         return Kernels(*(step for step, _ in steps))
-    return Kernels(*(_token_axis_dynamic(step, backend, n) for step, n in steps))
-
-
-def _can_compile(device: torch.device) -> bool:
-    """torch.compile's inductor backend generates code for this device: CUDA with triton importable."""
-    if device.type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return Kernels(*(token_axis_dynamic(step, backend, n) for step, n in steps))
 
 
 class Fused(NamedTuple):
@@ -249,7 +225,7 @@ class Decoder:
         self.fuse = True  # capture with fused q/k/v and gate/up products (False: the modules', as generation runs)
         self._fused = None  # per layer: (q/k/v Fused or None, gate/up Fused or None), made at the first capture
         # the backend that compiles the capture's elementwise steps (kernels()), None: eager
-        self.compile = "inductor" if _can_compile(self.device) else None
+        self.compile = "inductor" if can_compile(self.device) else None
         self.silu = getattr(config, "hidden_act", None) in ("silu", "swish")  # the MLP's act is F.silu: _swiglu runs
 
     def uses_varlen(self) -> bool:

@@ -18,7 +18,12 @@ prints and writes (--json):
 - both bf16 gradients against the float32 reference path's first-step gradient (the same weights and batch, no
   autocast): two bf16 computations round independently, so they can be farther from each other than either is from
   float32. The new path's gradient passes when it is no farther from float32 than the naive bf16 path's is (within
-  GRAD_FP32_SLACK), or within GRAD_TOLERANCE of the naive one.
+  GRAD_FP32_SLACK), or within GRAD_TOLERANCE of the naive one;
+- start-up seconds of each path (building the draft and optimizer, then the first step; the first path measured also
+  pays one-time costs such as compiling flex_attention on CUDA);
+- with --compile, the new path again with its loss compiled (train.compile), measured right after the eager one:
+  tok/s, the ratio, start-up seconds and its first-step loss gap; with --profile N, the N operators with the most
+  self time in a step (device time on CUDA).
 
 FLOP per token (flop_per_token, written out in `flops`): with T tokens, R_j loss rows at unroll step j, V rows with a
 target, pairs_j the (query, key) pairs attended at step j (document-causal context plus j diagonal entries):
@@ -117,13 +122,16 @@ def build(config, device, seed, attention):
 
 
 def measure(config: DraftConfig, device: torch.device, batch, ttt_steps: int, steps: int, seed: int, *,
-            precision: str = "bf16", attention: str = "merged", loss: str = "chunked", keep_grad: bool = False
-            ) -> dict:
-    """Warm-up step, then `steps` timed steps; the loss (and optionally the gradient) of the first step too."""
+            precision: str = "bf16", attention: str = "merged", loss: str = "chunked", keep_grad: bool = False,
+            compile: bool = False) -> dict:
+    """Warm-up step, then `steps` timed steps; the loss (and optionally the gradient) of the first step too, and the
+    start-up seconds: building the draft and its optimizer and the first step (compiling, with compile)."""
+    sync(device)
+    begin = time.perf_counter()
     model, draft_head, t2d, embed = build(config, device, seed, attention)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer(params, device, lr=1e-4)
-    objective = Objective(model, path=loss)
+    objective = Objective(model, path=loss, compile="inductor" if compile else None)
     counts = [float(c) for c in batch.step_counts]
     grad = None
     if device.type == "cuda":
@@ -146,6 +154,7 @@ def measure(config: DraftConfig, device: torch.device, batch, ttt_steps: int, st
     first = float(step(first=True))
     sync(device)
     start = time.perf_counter()
+    startup = start - begin
     for _ in range(steps):
         step()
     sync(device)
@@ -154,9 +163,45 @@ def measure(config: DraftConfig, device: torch.device, batch, ttt_steps: int, st
     # the closure holds them too: free them before the next measurement
     model = opt = objective = embed = params = step = None
     free(device)
-    return {"precision": precision, "attention": attention, "loss": loss, "ms_per_step": 1000 * seconds,
+    return {"precision": precision, "attention": attention, "loss": loss, "compile": compile, "startup_s": startup,
+            "ms_per_step": 1000 * seconds,
             "tok_s": batch.tokens / seconds, "peak_gib": peak / 2 ** 30, "peak_bytes_per_token": peak / batch.tokens,
             "first_loss": first, "grad": grad}
+
+
+def profile(config, device, batch, seed, top: int, compile: bool = False) -> list[dict]:
+    """The operators of two training steps of the new path (after a warm-up step) by self time on the device (CPU time
+    on a CPU), top first: name, calls and milliseconds per step."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as record
+
+    model, draft_head, t2d, embed = build(config, device, seed, "merged")
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = optimizer(params, device, lr=1e-4)
+    objective = Objective(model, compile="inductor" if compile else None)
+    counts = [float(c) for c in batch.step_counts]
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with autocast(device, "bf16"):
+            probs, valid = targets(batch, draft_head, t2d)
+            value, _ = objective(batch, embed, probs, valid, counts, 0.8, 1.0)
+        value.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+
+    step()
+    sync(device)
+    cuda = device.type == "cuda"
+    with record(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(2):
+            step()
+        sync(device)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:top]
+    model = opt = objective = embed = params = None
+    free(device)
+    return [{"name": e.key, "calls": e.count // 2, "self_ms": getattr(e, key) / 1e3 / 2} for e in rows]
 
 
 @torch.no_grad()
@@ -242,8 +287,26 @@ def run_preset(name, target, tokens, seq_len, args, device, peak_tflops) -> dict
         "peak_gib": new["peak_gib"], "peak_bytes_per_token": new["peak_bytes_per_token"],
         "loss_new": new["first_loss"], "loss_reference": ref, "loss_relative_gap": gap,
         "loss_tolerance": LOSS_TOLERANCE, "loss_ok": gap <= LOSS_TOLERANCE,
-        "baseline_tok_s": None, "baseline_peak_gib": None, "speedup": None,
+        "baseline_tok_s": None, "baseline_peak_gib": None, "speedup": None, "startup_s": new["startup_s"],
     }
+    if args.compile:
+        fused = measure(config, device, batch, args.ttt_steps, args.steps, args.seed, compile=True)
+        fused_gap = abs(fused["first_loss"] - ref) / abs(ref)
+        result["compiled"] = {
+            "tok_s": fused["tok_s"], "ms_per_step": fused["ms_per_step"], "startup_s": fused["startup_s"],
+            "mfu": count["per_token"] * fused["tok_s"] / 1e12 / peak_tflops if peak_tflops else float("nan"),
+            "peak_gib": fused["peak_gib"], "loss": fused["first_loss"], "loss_relative_gap": fused_gap,
+            "loss_ok": fused_gap <= LOSS_TOLERANCE, "speedup_over_eager": fused["tok_s"] / new["tok_s"],
+        }
+        print(f"[{name}] new path with the compiled loss (train.compile): {fused['ms_per_step']:.1f} ms/step, "
+              f"{fused['tok_s']:.0f} tok/s = {result['compiled']['speedup_over_eager']:.2f}x eager (measured just "
+              f"before), {100 * result['compiled']['mfu']:.1f} % of peak; start-up {fused['startup_s']:.1f} s "
+              f"against {new['startup_s']:.1f} s eager; first-step loss gap to float32 {fused_gap:.2e}", flush=True)
+    if args.profile:
+        result["profile"] = profile(config, device, batch, args.seed, args.profile, compile=args.compile)
+        print(f"[{name}] where a step's time goes (top {args.profile} by self time):", flush=True)
+        for row in result["profile"]:
+            print(f"    {row['self_ms']:9.3f} ms  {row['calls']:5d} x  {row['name'][:90]}", flush=True)
     if args.no_baseline:
         print(f"[{name}] naive baseline skipped (--no-baseline)", flush=True)
         return result
@@ -295,6 +358,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", action="store_true",
+                        help="also measure the new path with the compiled loss (train.compile) in the same run")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also list the N operators taking the most self time in a step")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -318,7 +385,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": "python -m eaglepipe.tools.bench_train " + " ".join(argv if argv is not None else sys.argv[1:]),
         "matmul_peak_tflops": peak,
         **{k: main_result[k] for k in ("mfu", "flop_per_token", "tok_s", "peak_gib", "peak_bytes_per_token",
-                                       "baseline_tok_s", "loss_new", "loss_reference")},
+                                       "baseline_tok_s", "loss_new", "loss_reference", "startup_s")},
         "presets": {r["preset"]: r for r in results},
     }
     for r in results:
