@@ -272,36 +272,46 @@ def run_preset(name, target, tokens, seq_len, args, device, peak_tflops) -> dict
     new = measure(config, device, batch, args.ttt_steps, args.steps, args.seed, keep_grad=not args.no_baseline)
     achieved = count["per_token"] * new["tok_s"] / 1e12
     mfu = achieved / peak_tflops if peak_tflops else float("nan")
-    ref = reference_loss(config, device, batch, args.ttt_steps, args.seed)
-    gap = abs(new["first_loss"] - ref) / abs(ref)
+    try:
+        ref = reference_loss(config, device, batch, args.ttt_steps, args.seed)
+    except torch.OutOfMemoryError as e:  # dense [T, T] scores: a long packed row does not fit
+        free(device)
+        ref = None
+        print(f"[{name}] float32 reference loss: out of memory ({str(e).splitlines()[0]})", flush=True)
+    gap = abs(new["first_loss"] - ref) / abs(ref) if ref is not None else None
     print(f"[{name}] new path (bf16, flex attention + merged diagonal, chunked soft CE): "
           f"{new['ms_per_step']:.1f} ms/step, {new['tok_s']:.0f} tok/s, {achieved:.1f} TFLOP/s = "
           f"{100 * mfu:.1f} % of the measured {peak_tflops:.0f} TFLOP/s peak; peak {new['peak_gib']:.2f} GiB = "
           f"{new['peak_bytes_per_token'] / 1e3:.1f} kB/token", flush=True)
-    print(f"[{name}] first-step loss {new['first_loss']:.6f} vs float32 reference {ref:.6f}: relative gap "
-          f"{gap:.2e} ({'within' if gap <= LOSS_TOLERANCE else 'OUTSIDE'} {LOSS_TOLERANCE:g})", flush=True)
+    if ref is not None:
+        print(f"[{name}] first-step loss {new['first_loss']:.6f} vs float32 reference {ref:.6f}: relative gap "
+              f"{gap:.2e} ({'within' if gap <= LOSS_TOLERANCE else 'OUTSIDE'} {LOSS_TOLERANCE:g})", flush=True)
     result = {
         "preset": name, "tokens": batch.tokens, "seq_len": min(seq_len, tokens), "ttt_steps": args.ttt_steps,
         "draft_vocab": config.draft_vocab_size, "flop_per_token": count["per_token"], "flop_terms": count["terms"],
         "tok_s": new["tok_s"], "ms_per_step": new["ms_per_step"], "tflop_s": achieved, "mfu": mfu,
         "peak_gib": new["peak_gib"], "peak_bytes_per_token": new["peak_bytes_per_token"],
         "loss_new": new["first_loss"], "loss_reference": ref, "loss_relative_gap": gap,
-        "loss_tolerance": LOSS_TOLERANCE, "loss_ok": gap <= LOSS_TOLERANCE,
+        "loss_tolerance": LOSS_TOLERANCE, "loss_ok": gap <= LOSS_TOLERANCE if ref is not None else None,
         "baseline_tok_s": None, "baseline_peak_gib": None, "speedup": None, "startup_s": new["startup_s"],
     }
     if args.compile:
         fused = measure(config, device, batch, args.ttt_steps, args.steps, args.seed, compile=True)
-        fused_gap = abs(fused["first_loss"] - ref) / abs(ref)
+        # against the float32 reference where it fits, else against the eager bf16 path's first step
+        base_loss = ref if ref is not None else new["first_loss"]
+        fused_gap = abs(fused["first_loss"] - base_loss) / abs(base_loss)
         result["compiled"] = {
             "tok_s": fused["tok_s"], "ms_per_step": fused["ms_per_step"], "startup_s": fused["startup_s"],
             "mfu": count["per_token"] * fused["tok_s"] / 1e12 / peak_tflops if peak_tflops else float("nan"),
             "peak_gib": fused["peak_gib"], "loss": fused["first_loss"], "loss_relative_gap": fused_gap,
+            "loss_gap_to": "float32 reference" if ref is not None else "eager bf16 path",
             "loss_ok": fused_gap <= LOSS_TOLERANCE, "speedup_over_eager": fused["tok_s"] / new["tok_s"],
         }
         print(f"[{name}] new path with the compiled loss (train.compile): {fused['ms_per_step']:.1f} ms/step, "
               f"{fused['tok_s']:.0f} tok/s = {result['compiled']['speedup_over_eager']:.2f}x eager (measured just "
               f"before), {100 * result['compiled']['mfu']:.1f} % of peak; start-up {fused['startup_s']:.1f} s "
-              f"against {new['startup_s']:.1f} s eager; first-step loss gap to float32 {fused_gap:.2e}", flush=True)
+              f"against {new['startup_s']:.1f} s eager; first-step loss gap to the "
+              f"{result['compiled']['loss_gap_to']} {fused_gap:.2e}", flush=True)
     if args.profile:
         result["profile"] = profile(config, device, batch, args.seed, args.profile, compile=args.compile)
         print(f"[{name}] where a step's time goes (top {args.profile} by self time):", flush=True)
