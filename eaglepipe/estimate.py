@@ -55,15 +55,22 @@ def count_prompts(config: dict) -> int | None:
 
 
 def gpu_rules(config: dict) -> list[dict]:
-    """Rules that claim GPUs: jobs per run and GPUs per job (resources gpu=N)."""
-    jobs = 2 * config["generation"]["num_shards"]  # train and eval splits
-    rows = [("traces", jobs, config["engine"]["gpus"]), ("hidden_states", jobs, config["engine"]["gpus"]),
-            ("train", 1, config["train"]["gpus"]),
-            ("evaluate", 1, 1 if config["evaluate"].get("device", "cpu").startswith("cuda") else 0),
-            ("bench", 1, config["engine"]["gpus"])]
-    if config["prompts"].get("synthesize", {}).get("enabled"):
-        rows.insert(0, ("synthesize_prompts", 1, config["engine"]["gpus"]))
-    return [{"rule": r, "jobs": n, "gpus_per_job": g} for r, n, g in rows if g > 0]
+    """Rules that claim GPUs: jobs per run and GPUs per job (resources gpu=N), in the order they run."""
+    shards = 2 * config["generation"]["num_shards"]  # train and eval splits
+    engine, train = config["engine"]["gpus"], config["train"]["gpus"]
+    scoring = 1 if config["evaluate"].get("device", "cpu").startswith("cuda") else 0
+    sets = len(config["evaluate"].get("benchmarks") or [])
+    variants = len(config["train"].get("variants") or {})
+    rows = [("synthesize_prompts", 1 if config["prompts"].get("synthesize", {}).get("enabled") else 0, engine),
+            ("traces", shards, engine), ("hidden_states", shards, engine),
+            ("benchmark_traces", sets, engine), ("benchmark_hidden_states", sets, engine)]
+    if variants:  # each variant trained and scored; the best is copied to results/draft/
+        rows += [("train_variant", variants, train), ("evaluate_variant", variants, scoring),
+                 ("benchmark_evaluate_variant", variants * sets, scoring)]
+    else:
+        rows.append(("train", 1, train))
+    rows += [("evaluate", 1, scoring), ("benchmark_evaluate", sets, scoring), ("bench", 1, engine)]
+    return [{"rule": r, "jobs": n, "gpus_per_job": g} for r, n, g in rows if n > 0 and g > 0]
 
 
 def plan(config: dict, stats_path="results/traces/stats.json") -> dict:

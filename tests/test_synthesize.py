@@ -246,8 +246,24 @@ def test_plan_counts_synthesized_prompts_as_an_upper_bound():
         return count_prompts(config), [r["rule"] for r in gpu_rules(config)]
 
     files = len(prompts.read_records(prompts.default_source()))
-    assert plan_count() == (files, ["traces", "hidden_states", "bench"])
+    engine_rules = ["traces", "hidden_states", "benchmark_traces", "benchmark_hidden_states"]
+    assert plan_count() == (files, engine_rules + ["bench"])
     assert plan_count(enabled=True, count=24000)[0] == files + 24000
-    assert plan_count(enabled=True, count=24000, share=1.0) == (24000, ["synthesize_prompts", "traces",
-                                                                        "hidden_states", "bench"])
+    assert plan_count(enabled=True, count=24000, share=1.0) == (24000, ["synthesize_prompts"] + engine_rules
+                                                                + ["bench"])
     assert plan_count(enabled=True, count=24000, share=0.5)[0] == 2 * files  # the files' side limits
+
+
+def test_plan_counts_the_gpu_jobs_of_variants_and_benchmark_sets():
+    """With train.variants the plan lists each variant's training and scoring (one per variant and benchmark set)
+    in place of the one training job, as the workflow runs them."""
+    from eaglepipe.estimate import gpu_rules
+
+    config = {"engine": {"gpus": 8}, "train": {"gpus": 8, "variants": {"a": {}, "b": {"lr": 3e-4}, "c": {}}},
+              "evaluate": {"device": "cuda", "benchmarks": ["mtbench", "extra.jsonl"]}}
+    eaglepipe.config.validate(config)
+    jobs = {r["rule"]: (r["jobs"], r["gpus_per_job"]) for r in gpu_rules(config)}
+    assert jobs == {"traces": (8, 8), "hidden_states": (8, 8), "benchmark_traces": (2, 8),
+                    "benchmark_hidden_states": (2, 8), "train_variant": (3, 8), "evaluate_variant": (3, 1),
+                    "benchmark_evaluate_variant": (6, 1), "evaluate": (1, 1), "benchmark_evaluate": (2, 1),
+                    "bench": (1, 8)}
