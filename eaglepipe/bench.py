@@ -19,8 +19,8 @@ served.json:
         spread ((max - min) / median) is within bench.tolerance or bench.max_repeats pairs (then noisy)
     serving: results/serve/vllm.json's content (eaglepipe/schedule.py), chosen from the greedy table
     dynamic: {batch size: the chosen schedule's speedup, timed as above, at T = 0}, dynamic_vs_best_static
-        ({batch size: its speedup over the best static k's}), confirms (all >= DYNAMIC_FLOOR); null when the schedule
-        never speculates
+        ({batch size: its speedup over the best static k's}), confirms (all >= schedule.DYNAMIC_FLOOR); null when the
+        schedule never speculates
     diagnosis: when served falls short of offline beyond the tolerance, served tau of the draft with its layer ids
         shifted and the prompts rendered in template variants (diagnose.py), `cause` the fault the best variant undoes,
         `skipped` the variants not tried and why; else null
@@ -51,9 +51,6 @@ from .reasoning import read_template
 from .target import read_info
 
 log = logging.getLogger(__name__)
-
-DYNAMIC_FLOOR = 0.95  # the chosen schedule confirms when it keeps this share of the best static k's speedup
-
 
 @dataclass
 class Served:
@@ -108,15 +105,11 @@ def acceptance(eng, served: Served, sampling, batch: int) -> dict:
     """Served tau over every served prompt: pooled from vLLM's counters, and per request."""
     before = eng.spec_counters()
     _, made = timed(eng, served.prompts, sampling, batch)
-    after = eng.spec_counters()
-    drafts = max(after["drafts"] - before["drafts"], 1)
-    per_pos = [a - b for a, b in zip(after["accepted_per_pos"], before["accepted_per_pos"] or
-                                     [0] * len(after["accepted_per_pos"]))]
+    tau, drafts, per_pos = diagnose_mod.counted(before, eng.spec_counters())
     per_request = {i: 1 + g.accepted_tokens / g.spec_steps for i, g in zip(served.ids, made) if g.spec_steps}
-    return {"served_tau": 1 + (after["accepted_tokens"] - before["accepted_tokens"]) / drafts,
+    return {"served_tau": tau,
             "served_tau_request_mean": statistics.fmean(per_request.values()) if per_request else None,
-            "per_request": per_request, "per_position": [p / drafts for p in per_pos],
-            "drafts": after["drafts"] - before["drafts"]}
+            "per_request": per_request, "per_position": [p / max(drafts, 1) for p in per_pos], "drafts": drafts}
 
 
 @dataclass(frozen=True)
@@ -142,9 +135,7 @@ def speedups(alone, eng, prompts: list, grid: Grid, temperature: float, label: s
         before = eng.spec_counters()
         cell = paired(partial(tok_s, alone, batch, sampling, b), partial(tok_s, eng, batch, sampling, b),
                       tolerance=grid.tolerance, max_repeats=grid.max_repeats)
-        after = eng.spec_counters()
-        cell["served_tau"] = 1 + (after["accepted_tokens"] - before["accepted_tokens"]) / max(
-            after["drafts"] - before["drafts"], 1)
+        cell["served_tau"] = diagnose_mod.counted(before, eng.spec_counters())[0]
         row[str(b)] = cell
         log.info("%s, T=%s, batch %d: speedup %.2fx (spread %.0f%% over %d pairs; %.1f vs %.1f tok/s)", label,
                  temperature, b, cell["speedup"], 100 * cell["spread"], cell["repeats"], cell["tok_s"],
@@ -158,8 +149,8 @@ def warm(eng, prompts) -> None:
 
 def serve(served: Served, grid: Grid, *, max_k: int, temperatures: list[float]) -> dict:
     """The k x batch table at each temperature, served acceptance per k, the target's own greedy continuations of the
-    prompts, the schedule chosen from the greedy table and its confirming run. The target alone stays loaded
-    throughout, beside one draft engine at a time."""
+    prompts, the serving config chosen from the greedy table (vllm.json) and its confirming run. The target alone
+    stays loaded throughout, beside one draft engine at a time."""
     out = {"k": {}, "speedup": {str(t): {str(b): {} for b in grid.batch_sizes} for t in temperatures}, "dynamic": None}
     largest = max(grid.batch_sizes)
     with open_engine(served.target_dir, served.base) as alone:
@@ -177,14 +168,16 @@ def serve(served: Served, grid: Grid, *, max_k: int, temperatures: list[float]) 
                     row = speedups(alone, eng, served.prompts, grid, t, f"k={k}")
                     for b, cell in row.items():
                         out["speedup"][str(t)][b][str(k)] = cell
-        out["schedule"] = schedule.choose({int(b): {int(k): c["speedup"] for k, c in cells.items()}
-                                           for b, cells in out["speedup"]["0"].items()})
-        if schedule.speculative_config(served.draft_dir, out["schedule"]) is not None:
-            settings = replace(served.base, draft=served.draft_dir, schedule=out["schedule"],
-                               num_speculative_tokens=max(k for _, _, k in out["schedule"]))
+        out["serving"] = schedule.serving(served.target_dir, served.draft_dir, schedule.table(out["speedup"]["0"]),
+                                          0.0)
+        config = out["serving"]["speculative_config"]
+        if config is not None:
+            ranges = config["num_speculative_tokens_per_batch_size"]
+            settings = replace(served.base, draft=served.draft_dir, schedule=ranges,
+                               num_speculative_tokens=config["num_speculative_tokens"])
             with open_engine(served.target_dir, settings) as eng:
                 warm(eng, served.prompts)
-                out["dynamic"] = speedups(alone, eng, served.prompts, grid, 0, f"schedule {out['schedule']}")
+                out["dynamic"] = speedups(alone, eng, served.prompts, grid, 0, f"schedule {ranges}")
     return out
 
 
@@ -256,7 +249,7 @@ def assemble(served: Served, measured: dict, offline_result: dict, acceptance_fi
             "offline": {key: offline_result[key] for key in ("positions", "per_position", "tau", "tau_request_mean",
                                                              "tau_walk")},
             "speedup": measured["speedup"], "dynamic": dynamic, "dynamic_vs_best_static": versus,
-            "confirms": None if versus is None else all(v >= DYNAMIC_FLOOR for v in versus.values()),
+            "confirms": None if versus is None else all(v >= schedule.DYNAMIC_FLOOR for v in versus.values()),
             "diagnosis": None}
 
 
@@ -311,8 +304,7 @@ def run(prompts_path, draft_dir, acceptance_path, output_path, serving_path, *, 
                 n_prompts=bench["diagnose_prompts"], max_new_tokens=bench["max_new_tokens"], tokenizer=tokenizer,
                 template_kwargs=template_kwargs, traces=traces or [], chat_template=chat_template,
                 multi_turn=multi_turn)
-    results["serving"] = schedule.serving(target_dir, draft_dir, {
-        int(b): {int(k): c["speedup"] for k, c in cells.items()} for b, cells in results["speedup"]["0"].items()}, 0.0)
+    results["serving"] = measured["serving"]
     log.info("serving config: %s", results["serving"]["command"])
     if results["dynamic_vs_best_static"]:
         log.info("the schedule against the best static k, by batch size: %s",

@@ -21,15 +21,20 @@ from .chat import render_chat
 log = logging.getLogger(__name__)
 
 
+def counted(before: dict, after: dict) -> tuple[float, int, list[int]]:
+    """Between two readings of an engine's spec-decode counters: served tau pooled over the verify steps, the drafts
+    behind it and the drafts with at least i+1 tokens accepted, per position i."""
+    drafts = after["drafts"] - before["drafts"]
+    per_pos = [a - b for a, b in zip(after["accepted_per_pos"], before["accepted_per_pos"] or
+                                     [0] * len(after["accepted_per_pos"]))]
+    return 1 + (after["accepted_tokens"] - before["accepted_tokens"]) / max(drafts, 1), drafts, per_pos
+
+
 def served_tau(eng, prompts: list[list[int]], sampling) -> tuple[float, int, float]:
     """Mean acceptance length over `prompts` from the engine's counters, the drafts behind it and its standard error."""
     before = eng.spec_counters()
     eng.generate(prompts, sampling)
-    after = eng.spec_counters()
-    drafts = after["drafts"] - before["drafts"]
-    per_pos = [a - b for a, b in zip(after["accepted_per_pos"], before["accepted_per_pos"] or
-                                     [0] * len(after["accepted_per_pos"]))]
-    tau = 1 + (after["accepted_tokens"] - before["accepted_tokens"]) / max(drafts, 1)
+    tau, drafts, per_pos = counted(before, eng.spec_counters())
     return tau, drafts, std_error(per_pos, drafts)
 
 

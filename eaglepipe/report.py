@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 
 from .formats import atomic_path
+from .schedule import DYNAMIC_FLOOR
 
 
 def _load(path):
@@ -181,9 +182,11 @@ def served_section(bench: dict, train_tokens: int | None = None, acceptance: dic
             lines += ["", "That config served (greedy), against the best static k at each batch size: "
                       + ", ".join(f"batch {b}: {c['speedup']:.2f}x ({bench['dynamic_vs_best_static'][b]:.2f} of the "
                                   "best static)" for b, c in bench["dynamic"].items())
-                      + (". It keeps at least 0.95 of the best static k everywhere." if bench["confirms"] else
-                         ". **It falls below 0.95 of the best static k somewhere**: the table's differences are within "
-                         "the noise there; serve more prompts (`bench.run_prompts`) or rerun on a quiet machine.")]
+                      + (f". It keeps at least {DYNAMIC_FLOOR} of the best static k everywhere."
+                         if bench["confirms"] else
+                         f". **It falls below {DYNAMIC_FLOOR} of the best static k somewhere**: the table's "
+                         "differences are within the noise there; serve more prompts (`bench.run_prompts`) or rerun "
+                         "on a quiet machine.")]
     if train_tokens is not None:
         lines += ["", f"This draft trained on {train_tokens:,} tokens" + (
             ": drafts serve faster from several million (the data-scaling table of docs/results.md). The GPU recipe "

@@ -14,6 +14,13 @@ from __future__ import annotations
 import json
 import shlex
 
+DYNAMIC_FLOOR = 0.95  # the chosen schedule confirms when it keeps this share of the best static k's speedup
+
+
+def table(cells: dict[str, dict[str, dict]]) -> dict[int, dict[int, float]]:
+    """Speedups by batch size then k from one temperature's cells of served.json's `speedup`."""
+    return {int(b): {int(k): cell["speedup"] for k, cell in row.items()} for b, row in cells.items()}
+
 
 def best_k(speedups: dict[int, float]) -> int:
     """The k with the highest speedup above 1 (the smaller k on a tie: less draft work), 0 when none beats 1."""
