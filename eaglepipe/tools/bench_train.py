@@ -121,6 +121,30 @@ def build(config, device, seed, attention):
     return model, draft_head.to(device), t2d.to(device), embed
 
 
+def stepper(config: DraftConfig, device: torch.device, batch, seed: int, *, precision: str = "bf16",
+            attention: str = "merged", loss: str = "chunked", compile: bool = False):
+    """One path's training step from fresh weights, as train.run takes it (targets, objective, clipping, AdamW):
+    step(keep_grad=False) -> (the loss, the gradient before clipping when keep_grad, else None). The closure holds the
+    draft and its optimizer: drop it to free them."""
+    model, draft_head, t2d, embed = build(config, device, seed, attention)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = optimizer(params, device, lr=1e-4)
+    objective = Objective(model, path=loss, compile="inductor" if compile else None)
+    counts = [float(c) for c in batch.step_counts]
+
+    def step(keep_grad: bool = False):
+        opt.zero_grad(set_to_none=True)
+        with autocast(device, precision):
+            probs, valid = targets(batch, draft_head, t2d)
+            value, _ = objective(batch, embed, probs, valid, counts, 0.8, 1.0)
+        value.backward()
+        grad = torch.cat([p.grad.detach().flatten().float().cpu() for p in params]) if keep_grad else None
+        torch.nn.utils.clip_grad_norm_(params, 0.5)  # as train.run does every step
+        opt.step()
+        return value.detach(), grad
+    return step
+
+
 def measure(config: DraftConfig, device: torch.device, batch, ttt_steps: int, steps: int, seed: int, *,
             precision: str = "bf16", attention: str = "merged", loss: str = "chunked", keep_grad: bool = False,
             compile: bool = False) -> dict:
@@ -128,30 +152,13 @@ def measure(config: DraftConfig, device: torch.device, batch, ttt_steps: int, st
     start-up seconds: building the draft and its optimizer and the first step (compiling, with compile)."""
     sync(device)
     begin = time.perf_counter()
-    model, draft_head, t2d, embed = build(config, device, seed, attention)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = optimizer(params, device, lr=1e-4)
-    objective = Objective(model, path=loss, compile="inductor" if compile else None)
-    counts = [float(c) for c in batch.step_counts]
-    grad = None
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-
-    def step(first=False):
-        nonlocal grad
-        opt.zero_grad(set_to_none=True)
-        with autocast(device, precision):
-            probs, valid = targets(batch, draft_head, t2d)
-            value, _ = objective(batch, embed, probs, valid, counts, 0.8, 1.0)
-        value.backward()
-        if first and keep_grad:
-            grad = torch.cat([p.grad.detach().flatten().float().cpu() for p in params])
-        torch.nn.utils.clip_grad_norm_(params, 0.5)  # as train.run does every step
-        opt.step()
-        return value.detach()
-
-    first = float(step(first=True))
+    step = stepper(config, device, batch, seed, precision=precision, attention=attention, loss=loss,
+                   compile=compile)
+    first, grad = step(keep_grad)
+    first = float(first)
     sync(device)
     start = time.perf_counter()
     startup = start - begin
@@ -160,8 +167,7 @@ def measure(config: DraftConfig, device: torch.device, batch, ttt_steps: int, st
     sync(device)
     seconds = (time.perf_counter() - start) / steps
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else float("nan")
-    # the closure holds them too: free them before the next measurement
-    model = opt = objective = embed = params = step = None
+    step = None  # frees the draft and its optimizer before the next measurement
     free(device)
     return {"precision": precision, "attention": attention, "loss": loss, "compile": compile, "startup_s": startup,
             "ms_per_step": 1000 * seconds,
@@ -175,21 +181,7 @@ def profile(config, device, batch, seed, top: int, compile: bool = False) -> lis
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as record
 
-    model, draft_head, t2d, embed = build(config, device, seed, "merged")
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = optimizer(params, device, lr=1e-4)
-    objective = Objective(model, compile="inductor" if compile else None)
-    counts = [float(c) for c in batch.step_counts]
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        with autocast(device, "bf16"):
-            probs, valid = targets(batch, draft_head, t2d)
-            value, _ = objective(batch, embed, probs, valid, counts, 0.8, 1.0)
-        value.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        opt.step()
-
+    step = stepper(config, device, batch, seed, compile=compile)
     step()
     sync(device)
     cuda = device.type == "cuda"
@@ -199,7 +191,7 @@ def profile(config, device, batch, seed, top: int, compile: bool = False) -> lis
         sync(device)
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     rows = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:top]
-    model = opt = objective = embed = params = None
+    step = None
     free(device)
     return [{"name": e.key, "calls": e.count // 2, "self_ms": getattr(e, key) / 1e3 / 2} for e in rows]
 
