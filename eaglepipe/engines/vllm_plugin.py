@@ -5,9 +5,10 @@ That fallback (`vllm.utils.cpu_triton_utils._expand_kernel_impl`) passes its out
 a float tensor the C++ kernel writes into a temporary copy and the output stays uninitialised. The rejection sampler
 expands each request's temperature to its draft tokens with it, so on a CPU without Triton every verify step at
 temperature > 0 divides the target's logits by arbitrary values and served acceptance collapses
-(tests/test_served_checks.py, docs/results.md section 1). vLLM loads general plugins in each engine process before the platform registers its kernel
-overrides, so replacing the function here makes the platform register the corrected one. GPU builds (Triton) do not
-use the fallback and are unaffected. This module imports nothing of eaglepipe's: it runs inside vLLM's processes.
+(tests/test_served_checks.py, docs/results.md section 1). vLLM loads general plugins in each engine process before the
+platform registers its kernel overrides, so replacing the function here makes the platform register the corrected
+one. GPU builds (Triton) do not use the fallback and are unaffected. This module imports nothing of eaglepipe's: it
+runs inside vLLM's processes.
 """
 
 from __future__ import annotations
