@@ -63,3 +63,39 @@ def test_failed_batch_retries_items_alone_but_fails_fast_on_a_shared_cause(tiny_
         gens = eng.generate(seqs, Sampling(max_new_tokens=3))
         assert all("out of memory" in g.error for g in gens)
         assert calls == [5, 1, 1]  # the batch, then two items alone: a shared cause, so the rest fail at once
+
+
+def test_a_batch_out_of_device_memory_runs_in_halves_not_item_by_item(tiny_target):
+    """A batch the device cannot hold is split in halves until the parts fit (a 2,048-row batch past an 80 GB card's
+    memory costs a few failed attempts, not 2,048 single-row generations), with the same tokens as unsplit (greedy)
+    and the same samples on a rerun (the halves' seeds derive from the batch's)."""
+    seqs = [[1, 5, 9], [1, 66], [1, 8, 8, 8], [1, 2, 3], [1, 4]]
+    with open_engine(tiny_target, EngineSettings(batch_size=8)) as eng:
+        whole = eng.generate(seqs, Sampling(max_new_tokens=4))
+        real = eng._generate_batch
+        calls = []
+
+        def small_device(prompts, sampling, seed):
+            calls.append(len(prompts))
+            if len(prompts) > 2:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 306.00 MiB")
+            return real(prompts, sampling, seed)
+
+        eng._generate_batch = small_device
+        split = eng.generate(seqs, Sampling(max_new_tokens=4))
+        assert calls == [5, 2, 3, 1, 2]
+        assert [g.output_ids for g in split] == [g.output_ids for g in whole]
+        assert not any(g.error for g in split)
+
+        sampled = [eng.generate(seqs, Sampling(max_new_tokens=4, temperature=1.0, seed=3)) for _ in range(2)]
+        assert [g.output_ids for g in sampled[0]] == [g.output_ids for g in sampled[1]]
+
+        def no_room(prompts, sampling, seed):  # not even one row fits: every item fails, and fast
+            calls.append(len(prompts))
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+        calls.clear()
+        eng._generate_batch = no_room
+        failed = eng.generate(seqs, Sampling(max_new_tokens=4))
+        assert all("out of memory" in g.error for g in failed)
+        assert calls == [5, 2, 1, 1, 1]  # halves down to one row, then two items alone: a shared cause

@@ -414,8 +414,12 @@ class Decoder:
                     keep = (~done).nonzero().squeeze(1)
                     alive, token, next_pos = alive[keep], token[keep], next_pos[keep]
                     valid = valid[keep]
-                    caches = [(k[keep], v[keep]) for k, v in caches]
+                    # The step (its graph holds the caches) goes first, then each layer's cache is replaced in
+                    # place: the old one is freed as its smaller copy is made, so compacting adds one layer's
+                    # cache to the peak, not the whole (rows_that_fit's budget counts the cache once).
                     step_fn = None
+                    for n, (k, v) in enumerate(caches):
+                        caches[n] = (k[keep], v[keep])
             slot = width + step
             valid[:, slot] = True
             if step_fn is None:  # one decode step over the whole cache width, captured as a CUDA graph on a GPU

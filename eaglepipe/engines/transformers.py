@@ -130,7 +130,7 @@ class TransformersEngine(Engine):
         for batch_no, sub in enumerate(plan):
             batch = [valid[j] for j in sub]
             try:
-                outs = self._generate_batch([prompts[i] for i in batch], sampling, seed=sampling.seed + batch_no)
+                outs = self._generate_fitting([prompts[i] for i in batch], sampling, seed=sampling.seed + batch_no)
             except (RuntimeError, ValueError) as err:  # one bad item must not sink its batch: retry one by one
                 log.warning("batch of %d failed (%s); retrying items one by one", len(batch), err)
                 outs = []
@@ -154,6 +154,26 @@ class TransformersEngine(Engine):
             log.info("generate: batch %d/%d of %d rows done, %d new tokens so far, %.0f tok/s", batch_no + 1,
                      len(plan), len(batch), made, made / max(elapsed, 1e-9))
         return results
+
+    def _generate_fitting(self, prompts: list[list[int]], sampling: Sampling, seed: int) -> list[Generation]:
+        """One batch, run in halves (recursively) while the device runs out of memory: a batch sized past the device
+        costs a few failed attempts, not a retry of every item alone. The halves' seeds derive from the batch's
+        (2 seed, 2 seed + 1), so a rerun on the same device splits and samples the same way."""
+        try:
+            return self._generate_batch(prompts, sampling, seed=seed)
+        except torch.OutOfMemoryError:
+            if len(prompts) == 1:
+                raise
+        # Outside the except clause: its traceback holds the failed attempt's tensors until the clause ends.
+        half = len(prompts) // 2
+        log.warning("a batch of %d rows ran out of device memory; running it as %d + %d rows", len(prompts), half,
+                    len(prompts) - half)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        seed = 2 * seed % 2**63
+        return (self._generate_fitting(prompts[:half], sampling, seed)
+                + self._generate_fitting(prompts[half:], sampling, seed + 1))
 
     def _generate_batch(self, prompts: list[list[int]], sampling: Sampling, seed: int) -> list[Generation]:
         if self.fast is not None:
