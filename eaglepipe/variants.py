@@ -5,6 +5,9 @@ variant whose draft is results/draft/, "variants": [one object per variant in th
 (the variant's train keys), tau {k: greedy offline tau on the eval split, pooled}, tau_at {T: tau at k at
 temperature T}, outside_loops_tau (tau at k outside trailing loops), benchmarks {set: tau at k, greedy, pooled},
 train_tokens, train_steps, train_seconds (the training job's wall time, from its Snakemake benchmark file)]}.
+
+A sweep's second pass (combination): the overrides of the variants that beat the baseline (the variant with no
+overrides), merged into one variant, best first, a key taken from the best variant that sets it.
 """
 
 from __future__ import annotations
@@ -82,3 +85,27 @@ def compare(names: list[str], overrides: dict, *, acceptance, train_log, seconds
               "winner": best(names, acceptance), "variants": rows}
     write_json(output_path, result)
     return result
+
+
+def combination(table: dict) -> dict | None:
+    """The overrides of one variant combining the winners of a one-factor sweep (variants.json): the variants whose
+    tau at the table's k beats the baseline's (the variant with no overrides), best first (a tie to the first name),
+    each adding the keys no better variant has set. None when fewer than two variants win: the combination would be
+    a variant already measured."""
+    k = str(table["k"])
+    rows = table["variants"]
+    baselines = [r for r in rows if not r["overrides"]]
+    if len(baselines) != 1:
+        raise ValueError(f"a combination needs exactly one variant without overrides as its baseline; the table has "
+                         f"{len(baselines)} ({', '.join(r['name'] for r in baselines) or 'none'})")
+    base = baselines[0]["tau"][k]
+    winners = sorted((r for r in rows if r["overrides"] and r["tau"][k] > base),
+                     key=lambda r: (-r["tau"][k], rows.index(r)))
+    if len(winners) < 2:
+        return None
+    merged: dict = {}
+    for r in winners:
+        merged.update({key: value for key, value in r["overrides"].items() if key not in merged})
+    log.info("combination of %s (tau at k = %s over the baseline's %.3f): %s",
+             ", ".join(f"{r['name']} {r['tau'][k]:.3f}" for r in winners), k, base, merged)
+    return merged

@@ -106,3 +106,49 @@ def test_selection_keeps_the_weights_of_the_step_with_the_best_held_back_tau(var
     held = train.held_back([sequence_lengths(p) for p in shards], settings)
     tau = train.held_back_tau(model, shards, held, load_embeddings(target), settings["max_batch_tokens"], "cpu")
     assert tau == pytest.approx(scored[chosen], abs=1e-5)
+
+
+def sweep_table(taus: dict, overrides: dict, k=3) -> dict:
+    return {"k": k, "variants": [{"name": n, "overrides": overrides[n], "tau": {str(k): t}} for n, t in taus.items()]}
+
+
+def test_the_combination_merges_the_winners_overrides_best_first():
+    from eaglepipe.variants import combination
+
+    overrides = {"recipe": {}, "epochs-4": {"epochs": 4}, "lr-3e-4": {"lr": 3e-4}, "lr-3e-3": {"lr": 3e-3},
+                 "loss-lk": {"loss": "lk", "lr": 5e-4}, "muon": {"optimizer": "muon"}}
+    taus = {"recipe": 2.60, "epochs-4": 2.71, "lr-3e-4": 2.55, "lr-3e-3": 2.66, "loss-lk": 2.64, "muon": 2.60}
+    # muon ties the baseline (no gain); lr-3e-3 beats loss-lk, so lr comes from it and loss-lk adds only its loss
+    assert combination(sweep_table(taus, overrides)) == {"epochs": 4, "lr": 3e-3, "loss": "lk"}
+    assert combination(sweep_table({**taus, "epochs-4": 2.5, "lr-3e-3": 2.5, "loss-lk": 2.5},
+                                   overrides)) is None  # no winner: nothing to combine
+    assert combination(sweep_table({**taus, "lr-3e-3": 2.5, "loss-lk": 2.5}, overrides)) is None  # one winner
+    with pytest.raises(ValueError, match="exactly one variant without overrides"):
+        combination(sweep_table({"a": 2.0, "b": 2.1}, {"a": {"lr": 1e-3}, "b": {"lr": 2e-3}}))
+
+
+def test_the_combined_variant_is_the_only_new_job_of_the_second_pass(variant_run, tmp_path):
+    """combine_variants' config file, given after the sweep's own, adds its variant: the dry run trains and scores it
+    and compares again, and leaves the first pass's variants alone."""
+    import subprocess
+    import sys
+
+    from eaglepipe.tools import combine_variants
+
+    workdir, _ = variant_run
+    table = tmp_path / "variants.json"
+    table.write_text(json.dumps(sweep_table({"base": 1.5, "slow": 1.6, "fast": 1.7},
+                                            {"base": {}, **VARIANTS})))
+    combined = tmp_path / "combined.yaml"
+    assert combine_variants.main(["--table", str(table), "--out", str(combined)]) == 0
+    assert "schedule: constant" in combined.read_text()
+    plan = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir), "-n",
+                           "--cores", "1", *TARGETS, "--configfile", str(REPO / "config/config.yaml"),
+                           str(workdir / "test-config.yaml"), str(combined)], capture_output=True, text=True)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    outputs = [line.split(":", 1)[1] for line in plan.stdout.splitlines() if line.strip().startswith("output:")]
+    assert any("results/drafts/combined/model.safetensors" in o for o in outputs)
+    assert any("results/drafts/combined/acceptance.json" in o for o in outputs)
+    assert not any("results/drafts/slow/" in o or "results/drafts/fast/" in o for o in outputs)
+    with pytest.raises(SystemExit, match="already has a variant named fast"):
+        combine_variants.main(["--table", str(table), "--name", "fast", "--out", str(tmp_path / "again.yaml")])
