@@ -21,10 +21,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .compiled import token_axis_dynamic
 from .formats import LAYER_CONVENTION, atomic_path
 from .rope import KEYS as ROPE_KEYS
 from .rope import build as build_rope
 from .rope import parameters as rope_parameters
+from .rope import rotate_half
 
 
 @dataclass
@@ -103,15 +105,41 @@ class DraftConfig:
         )
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+class Kernels:
+    """The elementwise steps of the draft's layer, on token-major tensors ([tokens, ...]): eager (backend None), or
+    each compiled by a torch.compile backend with only the token axis symbolic (train.compile: one generated kernel
+    per step and direction instead of one per operation; the same arithmetic, rounded where the compiler fuses)."""
+
+    def __init__(self, backend=None):
+        self.backend = backend
+        wrap = (lambda step, tensors: token_axis_dynamic(step, backend, tensors)) if backend else (lambda s, _: s)
+        self.norm = wrap(rms_norm, 1)
+        self.rotate = wrap(rotate_half, 2)
+        self.swiglu = wrap(swiglu, 2)
+
+
+EAGER = Kernels()
+
+
 class RMSNorm(nn.Module):
+    kernels = EAGER
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return self.kernels.norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(*x.shape[:-1], -1)
 
 
 # How attention is computed (the math is the same; REFERENCE section 4): "merged" attends the context keys of the
@@ -212,6 +240,8 @@ def merge_diagonal(q, out0, lse0, later: list, scale: float) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    kernels = EAGER
+
     def __init__(self, c: DraftConfig):
         super().__init__()
         self.c = c
@@ -228,10 +258,13 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         c = self.c
         packing = Packing.of(packing)
-        q = self.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        # rotated token-major ([B * T, heads, d], the angles shared by q and k), then laid out [B, heads, T, d]
+        angles = self.rope.angles(positions.reshape(-1, 1), x.device)  # [B * T, 1, d/2]
+        q = self.kernels.rotate(self.q_proj(x).view(b * t, c.num_attention_heads, c.head_dim), angles,
+                                self.rope.magnitude).view(b, t, -1, c.head_dim).transpose(1, 2)
+        k = self.kernels.rotate(self.k_proj(x).view(b * t, c.num_key_value_heads, c.head_dim), angles,
+                                self.rope.magnitude).view(b, t, -1, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        q, k = self.rope.rotate(q, positions), self.rope.rotate(k, positions)
         groups = c.num_attention_heads // c.num_key_value_heads
         cache.append((k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)))
         scale = 1.0 / math.sqrt(c.head_dim)
@@ -260,6 +293,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    kernels = EAGER
+
     def __init__(self, c: DraftConfig):
         super().__init__()
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
@@ -267,7 +302,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.kernels.swiglu(gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1]))
+                              .view(gate.shape))
 
 
 class MidLayer(nn.Module):
@@ -302,6 +339,14 @@ class Eagle3Draft(nn.Module):
         residual = layer.self_attn(x, positions, mask, cache) + residual
         prenorm = layer.mlp(layer.post_attention_layernorm(residual)) + residual
         return self.norm(prenorm), prenorm
+
+    def compile_steps(self, backend) -> None:
+        """Run the layer's elementwise steps (norms, rotation, SiLU x up) compiled by this torch.compile backend, or
+        eager (None); see Kernels."""
+        kernels = Kernels(backend) if backend else EAGER
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.kernels = kernels
 
     @property
     def attention(self) -> str:

@@ -64,19 +64,28 @@ class Rope:
     # fp32 copies per device: kept out of the module's buffers so model.to(bfloat16) cannot round the frequencies.
     on_device: dict = field(default_factory=dict, repr=False)
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [B, heads, T, d] rotated at integer positions [B, T] (Llama's rotate-half, "neox" layout), in fp32."""
-        d = x.shape[-1]
-        t = positions[:, None, :, None].float()
+    def angles(self, positions: torch.Tensor, device) -> torch.Tensor:
+        """Rotation angles [..., d/2] (fp32) at integer positions [...]."""
+        t = positions[..., None].float()
         if self.position_divisor != 1.0:
             t = t / self.position_divisor
-        if x.device not in self.on_device:
-            self.on_device[x.device] = self.inv_freq.to(x.device)
-        angles = t * self.on_device[x.device]  # [B, 1, T, d/2]
-        cos = torch.cat([angles.cos()] * 2, -1) * self.magnitude
-        sin = torch.cat([angles.sin()] * 2, -1) * self.magnitude
-        x1, x2 = x[..., : d // 2], x[..., d // 2:]
-        return (x * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+        if device not in self.on_device:
+            self.on_device[device] = self.inv_freq.to(device)
+        return t * self.on_device[device]
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [B, heads, T, d] rotated at integer positions [B, T] (Llama's rotate-half, "neox" layout), in fp32."""
+        return rotate_half(x, self.angles(positions[:, None, :], x.device), self.magnitude)
+
+
+def rotate_half(x: torch.Tensor, angles: torch.Tensor, magnitude: float) -> torch.Tensor:
+    """x [..., d] rotated by angles [..., d/2] (broadcast against x's leading axes), computed in fp32, returned in
+    x's dtype: Rope.rotate's arithmetic, also what the draft's compiled step runs."""
+    d = x.shape[-1]
+    cos = torch.cat([angles.cos()] * 2, -1) * magnitude
+    sin = torch.cat([angles.sin()] * 2, -1) * magnitude
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return (x * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
 
 
 def get_mscale(factor: float, mscale: float = 1.0) -> float:

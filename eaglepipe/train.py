@@ -171,7 +171,8 @@ class Objective(torch.nn.Module):
     wrap it. path="chunked": logits of every unroll step's loss rows in one ChunkedLoss after the unroll (needs a batch
     collated with t2d and steps); "reference": per step full logits held for the backward, the original path (the
     naive baseline of eaglepipe.tools.bench_train). compile: the torch.compile backend of the chunked soft
-    cross-entropy (soft_ce_kernel; "inductor" with train.compile), or None: eager."""
+    cross-entropy (soft_ce_kernel) and of the draft layer's elementwise steps (Eagle3Draft.compile_steps; "inductor"
+    with train.compile), or None: eager."""
 
     def __init__(self, model: Eagle3Draft, path: str = "chunked", loss: str = "soft_ce", compile=None):
         super().__init__()
@@ -183,6 +184,7 @@ class Objective(torch.nn.Module):
         self.path = path
         self.loss = loss
         self.compile = compile
+        model.compile_steps(compile)
 
     def forward(self, batch, embed, probs, valid, denominators: list[float], decay: float, scale: float):
         """Returns (loss, stats [steps, 3] float64: loss sum, correct, count per unroll step); loss = scale *

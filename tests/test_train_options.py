@@ -230,12 +230,18 @@ def _chunked_loss_and_grads(batch, embed, head, compile):
     return value.detach(), stats, {n: p.grad for n, p in model.named_parameters()}
 
 
-def test_compiled_loss_traces_once_with_only_the_row_axis_symbolic_and_equals_eager():
-    """train.compile's soft cross-entropy as torch.compile sees it (a backend that records each graph and runs it as
-    traced): traced whole once, then two batches of other sizes and their shorter last chunks compile nothing new; only
-    the row axis is symbolic; loss, statistics and every gradient equal the eager path's."""
+def _tensor_inputs(graph) -> list[torch.Tensor]:
+    inputs = [node.meta["example_value"] for node in graph.graph.nodes if node.op == "placeholder"]
+    return [t for t in inputs if isinstance(t, torch.Tensor)]
+
+
+def test_compiled_steps_trace_once_with_only_the_token_axis_symbolic_and_equal_eager():
+    """train.compile as torch.compile sees it (a backend that records each graph and runs it as traced): the soft
+    cross-entropy and the layer's elementwise steps (norm, rotation of q and of k, SiLU x up) each traced whole once,
+    then two batches of other sizes and the loss's shorter last chunks compile nothing new; only the row (token) axis
+    is symbolic; loss, statistics and every gradient equal the eager path's."""
     torch._dynamo.reset()
-    graphs = []
+    graphs, after_first = [], None
 
     def backend(graph, example_inputs):
         graphs.append(graph)
@@ -245,16 +251,23 @@ def test_compiled_loss_traces_once_with_only_the_row_axis_symbolic_and_equals_ea
     for lengths in ([9, 4, 13, 6], [20, 9, 31], [5, 3]):
         batch, embed = packed_inputs(lengths, 3, torch.float32)
         got, ref = (_chunked_loss_and_grads(batch, embed, head, b) for b in (backend, None))
+        after_first = after_first or len(graphs)
         torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(got[1], ref[1], rtol=1e-6, atol=1e-5)
         for name in ref[2]:
             torch.testing.assert_close(got[2][name], ref[2][name], rtol=1e-5, atol=1e-7, msg=name)
-    assert len(graphs) == 1, f"{len(graphs)} graphs: a new batch or chunk size recompiled"
-    inputs = [node.meta["example_value"] for node in graphs[0].graph.nodes if node.op == "placeholder"]
-    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    assert len(graphs) == after_first, f"{len(graphs) - after_first} graphs more: a new batch size recompiled"
+    loss = [g for g in graphs if any("logsumexp" in str(node.target) for node in g.graph.nodes)]
+    assert len(loss) == 1
+    tensors = _tensor_inputs(loss[0])
     assert len(tensors) == 4 and all(isinstance(t.shape[0], torch.SymInt) for t in tensors)
     assert all(isinstance(n, int) for t in tensors for n in t.shape[1:])
-    assert any("logsumexp" in str(node.target) for node in graphs[0].graph.nodes)
+    steps = {getattr(node.target, "__name__", node.target) for g in graphs if g not in loss for node in g.graph.nodes
+             if node.op in ("call_function", "call_method")}
+    assert {"rsqrt", "silu", "cos", "sin"} <= steps, steps
+    for graph in graphs:
+        tokens = _tensor_inputs(graph)[0]  # every step's first input is token-major
+        assert isinstance(tokens.shape[0], torch.SymInt) and all(isinstance(n, int) for n in tokens.shape[1:])
 
 
 def test_compiled_loss_by_inductor_equals_eager():
