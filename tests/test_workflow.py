@@ -183,6 +183,29 @@ def test_scheduling_keys_rerun_nothing(first_run):
     assert planned_rules(workdir, changed) == set()
 
 
+def test_a_fresh_copy_of_the_workflow_reruns_nothing(first_run, tmp_path):
+    """A finished run driven from a new checkout (another clone, a copy sent to a cluster): every rule script is newer
+    than every output, which Snakemake's code trigger takes as changed code. The profiles leave that trigger out, so
+    nothing is planned: no stage re-runs, and the target is not fetched again (a job that needs the network, on nodes
+    that may have none). Code changes reach outputs through params and the recorded provenance instead."""
+    import shutil
+    import subprocess
+    import sys
+
+    workdir, _ = first_run
+    copy = tmp_path / "checkout"
+    copy.mkdir()
+    shutil.copy(REPO / "Snakefile", copy)
+    for folder in ("rules", "scripts", "profiles", "config", "envs", "report"):
+        # shutil.copy, not copytree's copy2: the files get new mtimes, newer than every output of the run
+        shutil.copytree(REPO / folder, copy / folder, copy_function=shutil.copy)
+    plan = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(copy / "Snakefile"), "-d", str(workdir), "-n",
+                           "--cores", "2", "--configfile", str(copy / "config/config.yaml"),
+                           str(workdir / "test-config.yaml")], capture_output=True, text=True, cwd=copy)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert "Nothing to be done" in plan.stdout + plan.stderr, (plan.stdout + plan.stderr)[-3000:]
+
+
 def test_vocab_size_change_reruns_only_vocab_and_what_follows(first_run):
     workdir, config = first_run
     changed = tiny_config(config["target"]["path"], vocab={"draft_vocab_size": 256})
