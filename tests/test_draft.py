@@ -135,6 +135,21 @@ def test_training_benchmark_measures_the_compiled_loss_and_profiles_a_step():
     assert [row["self_ms"] for row in rows] == sorted((row["self_ms"] for row in rows), reverse=True)
 
 
+def test_training_benchmark_times_speculators_step_beside_ours():
+    """--anchor: speculators' own training step (its model, loss, Muon and clipping; setup.sh installs speculators
+    0.9.0) at the same draft shape and batch in the same run, and speculators_ratio, our fastest path over it."""
+    pytest.importorskip("speculators.models.eagle3", reason="bash setup.sh installs speculators 0.9.0")
+    from eaglepipe.tools import bench_train
+
+    summary = bench_train.main(["--preset", "tiny", "--device", "cpu", "--tokens", "128", "--seq-len", "32",
+                                "--ttt-steps", "2", "--steps", "1", "--draft-vocab", "256", "--no-baseline",
+                                "--anchor"])
+    r = summary["presets"]["tiny"]
+    anchor = r["anchor"]
+    assert anchor["trainer"] == "speculators 0.9.0" and anchor["tok_s"] > 0 and anchor["startup_s"] > 0, anchor
+    assert r["speculators_ratio"] == pytest.approx(r["tok_s"] / anchor["tok_s"])
+
+
 def test_new_training_path_in_float32_has_the_reference_gradient():
     """The benchmark's float32 yardstick: without autocast the new path (flex/merged attention, chunked soft CE)
     and the reference path (dense attention, per-step full logits) give the same first-step gradient, so what

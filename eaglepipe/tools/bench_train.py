@@ -23,7 +23,10 @@ prints and writes (--json):
   pays one-time costs such as compiling flex_attention on CUDA);
 - with --compile, the new path again with its loss compiled (train.compile), measured right after the eager one:
   tok/s, the ratio, start-up seconds and its first-step loss gap; with --profile N, the N operators with the most
-  self time in a step (device time on CUDA).
+  self time in a step (device time on CUDA);
+- with --anchor, speculators' own training step (eaglepipe.tools.anchor_step: speculators 0.9.0, installed
+  separately) for the same draft shape and batch size, in the same process after ours: its start-up seconds, tok/s
+  and peak memory, and speculators_ratio, our fastest path's tok/s over its.
 
 FLOP per token (flop_per_token, written out in `flops`): with T tokens, R_j loss rows at unroll step j, V rows with a
 target, pairs_j the (query, key) pairs attended at step j (document-causal context plus j diagonal entries):
@@ -148,15 +151,22 @@ def stepper(config: DraftConfig, device: torch.device, batch, seed: int, *, prec
 def measure(config: DraftConfig, device: torch.device, batch, ttt_steps: int, steps: int, seed: int, *,
             precision: str = "bf16", attention: str = "merged", loss: str = "chunked", keep_grad: bool = False,
             compile: bool = False) -> dict:
-    """Warm-up step, then `steps` timed steps; the loss (and optionally the gradient) of the first step too, and the
-    start-up seconds: building the draft and its optimizer and the first step (compiling, with compile)."""
+    """One path of ours, timed (timed()): the loss (and optionally the gradient) of its first step too."""
+    result = timed(lambda: stepper(config, device, batch, seed, precision=precision, attention=attention, loss=loss,
+                                   compile=compile), device, batch.tokens, steps, keep_grad)
+    return {"precision": precision, "attention": attention, "loss": loss, "compile": compile, **result}
+
+
+def timed(make, device: torch.device, tokens: int, steps: int, keep_grad: bool = False) -> dict:
+    """Warm-up step, then `steps` timed steps of the training step make() builds (step(keep_grad) -> (loss, gradient
+    or None)); the start-up seconds: building the draft and its optimizer and the first step (compiling, where it
+    compiles)."""
     sync(device)
     begin = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    step = stepper(config, device, batch, seed, precision=precision, attention=attention, loss=loss,
-                   compile=compile)
+    step = make()
     first, grad = step(keep_grad)
     first = float(first)
     sync(device)
@@ -169,10 +179,8 @@ def measure(config: DraftConfig, device: torch.device, batch, ttt_steps: int, st
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else float("nan")
     step = None  # frees the draft and its optimizer before the next measurement
     free(device)
-    return {"precision": precision, "attention": attention, "loss": loss, "compile": compile, "startup_s": startup,
-            "ms_per_step": 1000 * seconds,
-            "tok_s": batch.tokens / seconds, "peak_gib": peak / 2 ** 30, "peak_bytes_per_token": peak / batch.tokens,
-            "first_loss": first, "grad": grad}
+    return {"startup_s": startup, "ms_per_step": 1000 * seconds, "tok_s": tokens / seconds,
+            "peak_gib": peak / 2 ** 30, "peak_bytes_per_token": peak / tokens, "first_loss": first, "grad": grad}
 
 
 def profile(config, device, batch, seed, top: int, compile: bool = False) -> list[dict]:
@@ -304,6 +312,19 @@ def run_preset(name, target, tokens, seq_len, args, device, peak_tflops) -> dict
               f"before), {100 * result['compiled']['mfu']:.1f} % of peak; start-up {fused['startup_s']:.1f} s "
               f"against {new['startup_s']:.1f} s eager; first-step loss gap to the "
               f"{result['compiled']['loss_gap_to']} {fused_gap:.2e}", flush=True)
+    if args.anchor:
+        from . import anchor_step
+
+        theirs = timed(lambda: anchor_step.stepper(config, device, batch.tokens, min(seq_len, tokens), args.ttt_steps,
+                                                   args.seed), device, batch.tokens, args.steps)
+        ours = max(new["tok_s"], result.get("compiled", {}).get("tok_s", 0.0))
+        result["anchor"] = {"trainer": f"speculators {anchor_step.VERSION}",
+                            **{k: theirs[k] for k in ("tok_s", "ms_per_step", "startup_s", "peak_gib")}}
+        result["speculators_ratio"] = ours / theirs["tok_s"]
+        print(f"[{name}] speculators {anchor_step.VERSION}'s training step, same shape and batch: "
+              f"{theirs['ms_per_step']:.1f} ms/step, {theirs['tok_s']:.0f} tok/s, start-up "
+              f"{theirs['startup_s']:.1f} s, peak {theirs['peak_gib']:.2f} GiB; ours / theirs "
+              f"{result['speculators_ratio']:.2f}x", flush=True)
     if args.profile:
         result["profile"] = profile(config, device, batch, args.seed, args.profile, compile=args.compile)
         print(f"[{name}] where a step's time goes (top {args.profile} by self time):", flush=True)
@@ -364,6 +385,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="also measure the new path with the compiled loss (train.compile) in the same run")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also list the N operators taking the most self time in a step")
+    parser.add_argument("--anchor", action="store_true",
+                        help="also time speculators' training step at the same shape (pip install speculators==0.9.0)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -394,6 +417,8 @@ def main(argv: list[str] | None = None) -> dict:
         if r["preset"] == "smollm2-135m":
             summary["smollm2_peak_gib"] = r["peak_gib"]
             summary["smollm2_tok_s"] = r["tok_s"]
+            if "speculators_ratio" in r:
+                summary["speculators_ratio"] = r["speculators_ratio"]
         if r["preset"] == "kimi-k2":
             summary["kimi_peak_gib"] = r["peak_gib"]
     if args.json:
