@@ -19,7 +19,8 @@ COMMIT=${EAGLEPIPE_COMMIT:-$(git rev-parse HEAD)}
 echo "$COMMIT" > "$OUT/sweep.commit"
 start=$SECONDS
 # --keep-going: a variant that fails (say, out of memory) leaves the others to finish; the run still exits non-zero.
-$RUN results/drafts/recipe/acceptance.json results/drafts/recipe/benchmarks/mtbench/acceptance.json --configfile $C
+$RUN results/drafts/recipe/acceptance.json results/drafts/recipe/benchmarks/mtbench/acceptance.json \
+    results/traces/stats.json --configfile $C
 BASELINE_S=$((SECONDS - start))
 echo "baseline variant (the recipe, prompts to its figures): $BASELINE_S s"
 $RUN results/variants/variants.json --configfile $C
@@ -42,17 +43,18 @@ rm -rf "$OUT/sweep-bundle"
 python -m eaglepipe.bundle --directory "$W" --out "$OUT/sweep-bundle"
 export COMMIT CMD BASELINE_S ONE_FACTOR_S WORKFLOW_S
 python - "$OUT" <<'PY'
-import json, os, subprocess, sys
+import json, os, shutil, subprocess, sys
 
 out = sys.argv[1]
 table = json.load(open(f"{out}/sweep-variants.json"))
-gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True) \
+    if shutil.which("nvidia-smi") else None
 k = str(table["k"])
 rows = [{"name": r["name"], "overrides": r["overrides"], "offline_tau": r["tau"],
          "offline_tau3_t0.7": r["tau_at"].get("0.7"), "mtbench_tau3": r["benchmarks"].get("mtbench"),
          "offline_tau3_outside_loops": r["outside_loops_tau"], "train_tokens": r["train_tokens"],
          "train_seconds": r["train_seconds"]} for r in table["variants"]]
-sweep = {"device": gpu.stdout.strip().splitlines()[0] if gpu.returncode == 0 else "unknown",
+sweep = {"device": gpu.stdout.strip().splitlines()[0] if gpu and gpu.returncode == 0 else "unknown",
          "command": os.environ["CMD"], "commit": os.environ["COMMIT"], "k": table["k"],
          "criterion": table["criterion"], "winner": table["winner"],
          "seconds": {"baseline_pass": int(os.environ["BASELINE_S"]),
