@@ -8,7 +8,8 @@
 # interrupted run resumes where it stopped when started again. Writes $OUT/sweep.json: device, command, commit, the
 # winner and, per variant, its overrides, offline tau (k = 1..5, greedy, eval split), tau at k = 3 at T = 0.7,
 # outside trailing loops and on MT-Bench, training tokens and seconds (eaglepipe/variants.py documents the rows);
-# $OUT/sweep-variants.png, the winner's $OUT/sweep-acceptance.json and its bundle $OUT/sweep-bundle/.
+# $OUT/sweep-variants.png, the winner's $OUT/sweep-acceptance.json and its bundle $OUT/sweep-bundle/, and after the
+# first pass the recipe's bundle $OUT/recipe-bundle/.
 set -euo pipefail
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -23,6 +24,8 @@ $RUN results/drafts/recipe/acceptance.json results/drafts/recipe/benchmarks/mtbe
     results/traces/stats.json --configfile $C
 BASELINE_S=$((SECONDS - start))
 echo "baseline variant (the recipe, prompts to its figures): $BASELINE_S s"
+rm -rf "$OUT/recipe-bundle"
+python -m eaglepipe.bundle --directory "$W" --variant recipe --out "$OUT/recipe-bundle"
 $RUN results/variants/variants.json --configfile $C
 ONE_FACTOR_S=$((SECONDS - start))
 echo "one factor at a time: $ONE_FACTOR_S s"

@@ -8,7 +8,8 @@ folder. With `bench.draft` set to it, the bench rule serves that draft and nothi
     traces/shard-<i>.parquet         optional: the eval trace shards of results/traces/eval/, for the diagnosis's
                                      "prompt ids the traces used" variant; without them that variant is not tried
 
-`python -m eaglepipe.bundle --directory W --out DIR` makes one from a finished workflow directory W. The bench
+`python -m eaglepipe.bundle --directory W --out DIR` makes one from a finished workflow directory W (`--variant NAME`:
+of the train.variants draft results/drafts/NAME/, its config, weights and acceptance). The bench
 checks the draft's config.json against the configured target (hidden size, vocabulary, depth, positions, rope)
 before serving it.
 """
@@ -51,21 +52,34 @@ def inputs(folder) -> dict:
     return paths
 
 
-def make(directory, out) -> Path:
-    """Copy a finished workflow directory's draft, acceptance, eval prompts and eval traces into a new bundle `out`."""
+def sources(variant: str | None = None) -> dict[str, str]:
+    """Bundle file -> where a workflow directory has it: results/draft/ and results/eval/, or with a variant of
+    train.variants its results/drafts/<variant>/."""
+    paths = {name: source for name, (_, source, _) in FILES.items()}
+    if variant:
+        paths.update({name: f"results/drafts/{variant}/{name}"
+                      for name in ("config.json", "model.safetensors", "acceptance.json")})
+    return paths
+
+
+def make(directory, out, variant: str | None = None) -> Path:
+    """Copy a finished workflow directory's draft (or variant's), acceptance, eval prompts and eval traces into a new
+    bundle `out`."""
     directory, out = Path(directory), Path(out)
-    for _, source, what in FILES.values():
-        if not (directory / source).is_file():
-            raise FileNotFoundError(f"{directory / source}: missing ({what}); a draft bundle needs it: run the "
-                                    f"workflow there to results/eval/acceptance.json first (snakemake --directory "
-                                    f"{directory} --configfile <its config> results/eval/acceptance.json)")
+    paths = sources(variant)
+    target = paths["acceptance.json"]
+    for name, (_, _, what) in FILES.items():
+        if not (directory / paths[name]).is_file():
+            raise FileNotFoundError(f"{directory / paths[name]}: missing ({what}); a draft bundle needs it: run the "
+                                    f"workflow there to {target} first (snakemake --directory {directory} "
+                                    f"--configfile <its config> {target})")
     if out.exists():
         raise FileExistsError(f"{out} exists; remove it or give another --out")
     out.parent.mkdir(parents=True, exist_ok=True)
     # Built under a temporary name and renamed, so an interrupted copy leaves no bundle that looks whole.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
-        for name, (_, source, _) in FILES.items():
+        for name, source in paths.items():
             shutil.copy2(directory / source, tmp / name)
         traces = sorted((directory / TRACES).glob("shard-*.parquet"))
         if traces:
@@ -115,9 +129,10 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     parser.add_argument("--directory", default=".", help="the workflow directory (snakemake --directory); default .")
     parser.add_argument("--out", required=True, help="the bundle folder to create (must not exist)")
+    parser.add_argument("--variant", help="a variant of train.variants (results/drafts/NAME/) instead of the draft")
     args = parser.parse_args(argv)
     try:
-        out = make(args.directory, args.out)
+        out = make(args.directory, args.out, args.variant)
     except (FileNotFoundError, FileExistsError) as err:
         sys.exit(f"error: {err}")
     names = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())

@@ -47,6 +47,22 @@ def test_bundle_cli_copies_the_draft_acceptance_eval_prompts_and_traces(tmp_path
     assert again.returncode != 0 and "exists; remove it or give another --out" in again.stderr
 
 
+def test_a_bundle_of_a_variant_takes_its_draft_and_acceptance(tmp_path):
+    run = fake_run(tmp_path / "run")
+    for name in ("config.json", "model.safetensors", "acceptance.json"):
+        (run / "results/drafts/lr-3e-3" / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / "results/drafts/lr-3e-3" / name).write_text(f"variant {name}\n")
+    result = make_bundle("--directory", run, "--out", tmp_path / "bundle", "--variant", "lr-3e-3")
+    assert result.returncode == 0, result.stderr
+    for name in ("config.json", "model.safetensors", "acceptance.json"):
+        assert (tmp_path / "bundle" / name).read_text() == f"variant {name}\n"
+    assert (tmp_path / "bundle/eval.parquet").read_bytes() == (run / BUNDLED["eval.parquet"]).read_bytes()
+    missing = make_bundle("--directory", run, "--out", tmp_path / "other", "--variant", "epochs-4")
+    assert missing.returncode != 0
+    assert "results/drafts/epochs-4/config.json: missing (the draft's config)" in missing.stderr
+    assert "results/drafts/epochs-4/acceptance.json first" in missing.stderr
+
+
 def test_bundle_cli_names_a_missing_file_and_leaves_no_bundle(tmp_path):
     run = fake_run(tmp_path / "run")
     (run / "results/eval/acceptance.json").unlink()
