@@ -11,6 +11,7 @@ concatenated for attention; the pre-norm output is what the next unroll step rec
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -340,10 +341,26 @@ class Eagle3Draft(nn.Module):
         prenorm = layer.mlp(layer.post_attention_layernorm(residual)) + residual
         return self.norm(prenorm), prenorm
 
+    kernels = EAGER
+
     def compile_steps(self, backend) -> None:
         """Run the layer's elementwise steps (norms, rotation, SiLU x up) compiled by this torch.compile backend, or
         eager (None); see Kernels."""
-        kernels = Kernels(backend) if backend else EAGER
+        self._use(Kernels(backend) if backend else EAGER)
+
+    @contextlib.contextmanager
+    def eager_steps(self):
+        """The elementwise steps eager inside the block (an evaluation during training: its no-grad float32 calls
+        would add compiled entries towards torch.compile's recompile limit), as they were after it."""
+        kernels = self.kernels
+        self._use(EAGER)
+        try:
+            yield
+        finally:
+            self._use(kernels)
+
+    def _use(self, kernels: Kernels) -> None:
+        self.kernels = kernels
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.kernels = kernels

@@ -539,11 +539,13 @@ def held_back_tau(model: Eagle3Draft, shard_paths: list[str], held: list[list[in
     was_training = model.training
     model.eval()
     lengths = []
-    for path, seqs in zip(shard_paths, held, strict=True):
-        if seqs:
-            shard, _ = read_sequences(path, seqs, max_tokens)
-            none_flagged = torch.zeros(shard["input_ids"].numel(), dtype=torch.bool)
-            lengths.append(accepted_lengths(model, shard, embed, 3, max_tokens, str(device), none_flagged).lengths)
+    with model.eager_steps():
+        for path, seqs in zip(shard_paths, held, strict=True):
+            if seqs:
+                shard, _ = read_sequences(path, seqs, max_tokens)
+                none_flagged = torch.zeros(shard["input_ids"].numel(), dtype=torch.bool)
+                lengths.append(accepted_lengths(model, shard, embed, 3, max_tokens, str(device),
+                                                none_flagged).lengths)
     model.train(was_training)
     return summarise(survival(torch.cat(lengths), 3))["tau"]["3"]
 

@@ -90,8 +90,8 @@ def compare(names: list[str], overrides: dict, *, acceptance, train_log, seconds
 def combination(table: dict) -> dict | None:
     """The overrides of one variant combining the winners of a one-factor sweep (variants.json): the variants whose
     tau at the table's k beats the baseline's (the variant with no overrides), best first (a tie to the first name),
-    each adding the keys no better variant has set. None when fewer than two variants win: the combination would be
-    a variant already measured."""
+    each adding the keys no better variant has set. None when fewer than two variants win, or when the merge equals a
+    measured variant's overrides (two winners setting the same key): nothing new to train."""
     k = str(table["k"])
     rows = table["variants"]
     baselines = [r for r in rows if not r["overrides"]]
@@ -106,6 +106,8 @@ def combination(table: dict) -> dict | None:
     merged: dict = {}
     for r in winners:
         merged.update({key: value for key, value in r["overrides"].items() if key not in merged})
+    if any(r["overrides"] == merged for r in rows):
+        return None
     log.info("combination of %s (tau at k = %s over the baseline's %.3f): %s",
              ", ".join(f"{r['name']} {r['tau'][k]:.3f}" for r in winners), k, base, merged)
     return merged

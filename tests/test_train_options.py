@@ -280,3 +280,28 @@ def test_compiled_loss_by_inductor_equals_eager():
     torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-5)
     for name in ref[2]:
         torch.testing.assert_close(got[2][name], ref[2][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_held_back_scoring_runs_the_steps_eager_and_leaves_them_compiled():
+    """train.select: tau scores the held-back slice during training: under no_grad in float32, which would add
+    compiled entries towards torch.compile's recompile limit (a hard error under fullgraph); eager_steps runs that
+    scoring eager and gives the training its compiled steps back."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    from eaglepipe.batches import step_inputs
+    from eaglepipe.draft import EAGER
+
+    batch, embed = packed_inputs([9, 4, 13, 6], 3, torch.float32)
+    model = tiny_draft()
+    model.compile_steps(backend)
+    compiled = model.kernels
+    with model.eager_steps(), torch.no_grad():
+        assert model.midlayer.mlp.kernels is EAGER and model.midlayer.input_layernorm.kernels is EAGER
+        list(model.unroll(batch.aux, step_inputs(batch, 3, embed), batch.positions, batch.packing))
+    assert not graphs, "the scoring compiled"
+    assert model.kernels is compiled and model.midlayer.self_attn.kernels is compiled

@@ -123,6 +123,8 @@ def test_the_combination_merges_the_winners_overrides_best_first():
     assert combination(sweep_table({**taus, "epochs-4": 2.5, "lr-3e-3": 2.5, "loss-lk": 2.5},
                                    overrides)) is None  # no winner: nothing to combine
     assert combination(sweep_table({**taus, "lr-3e-3": 2.5, "loss-lk": 2.5}, overrides)) is None  # one winner
+    both_lr = {**taus, "epochs-4": 2.5, "loss-lk": 2.5, "lr-3e-4": 2.62}  # two lr winners: the merge is lr-3e-3
+    assert combination(sweep_table(both_lr, overrides)) is None
     with pytest.raises(ValueError, match="exactly one variant without overrides"):
         combination(sweep_table({"a": 2.0, "b": 2.1}, {"a": {"lr": 1e-3}, "b": {"lr": 2e-3}}))
 

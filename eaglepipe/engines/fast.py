@@ -420,6 +420,7 @@ class Decoder:
                     step_fn = None
                     for n, (k, v) in enumerate(caches):
                         caches[n] = (k[keep], v[keep])
+                    del k, v
             slot = width + step
             valid[:, slot] = True
             if step_fn is None:  # one decode step over the whole cache width, captured as a CUDA graph on a GPU
@@ -477,7 +478,10 @@ class _DecodeStep:
         self.slot = torch.full((1,), size - 1, dtype=torch.long, device=device)
         self.mask = torch.zeros(rows, 1, 1, size, dtype=torch.bool, device=device)
         decoder.rope(torch.tensor([[size]], device=device))  # the rope table must not grow inside the graph
-        self.run = lambda: decoder._forward(self.token, self.pos, caches, self.slot, self.mask)
+        # Closes over the buffers, not self: without a cycle through it, dropping the step frees its graph and
+        # logits at once instead of at the next garbage collection.
+        token, pos, slot, mask = self.token, self.pos, self.slot, self.mask
+        self.run = lambda: decoder._forward(token, pos, caches, slot, mask)
         self.graph = None
         if decoder.graphs:
             # Warm-up writes column size - 1 (not yet reached, so masked until it is overwritten) under the real

@@ -22,6 +22,12 @@ RETRY_PROBE = 2  # items retried alone after a batch fails before a shared cause
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def split_seed(seed: int, half: int) -> int:
+    """The seed of one half of a split batch: a multiplicative hash of the batch's, so it meets no other batch's
+    (those are the run's seed plus the batch number) the way 2 seed + 1 would."""
+    return (seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019 * (half + 1)) % 2**63
+
+
 class TransformersEngine(Engine):
     def __init__(self, target_dir, settings: EngineSettings):
         from transformers import AutoModelForCausalLM
@@ -158,7 +164,7 @@ class TransformersEngine(Engine):
     def _generate_fitting(self, prompts: list[list[int]], sampling: Sampling, seed: int) -> list[Generation]:
         """One batch, run in halves (recursively) while the device runs out of memory: a batch sized past the device
         costs a few failed attempts, not a retry of every item alone. The halves' seeds derive from the batch's
-        (2 seed, 2 seed + 1), so a rerun on the same device splits and samples the same way."""
+        (split_seed), so a rerun on the same device splits and samples the same way."""
         try:
             return self._generate_batch(prompts, sampling, seed=seed)
         except torch.OutOfMemoryError:
@@ -171,9 +177,8 @@ class TransformersEngine(Engine):
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        seed = 2 * seed % 2**63
-        return (self._generate_fitting(prompts[:half], sampling, seed)
-                + self._generate_fitting(prompts[half:], sampling, seed + 1))
+        return (self._generate_fitting(prompts[:half], sampling, split_seed(seed, 0))
+                + self._generate_fitting(prompts[half:], sampling, split_seed(seed, 1)))
 
     def _generate_batch(self, prompts: list[list[int]], sampling: Sampling, seed: int) -> list[Generation]:
         if self.fast is not None:

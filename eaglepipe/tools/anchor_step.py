@@ -24,22 +24,30 @@ from ..draft import DraftConfig
 VERSION = "0.9.0"
 
 
-def stepper(config: DraftConfig, device: torch.device, tokens: int, seq_len: int, ttt_steps: int, seed: int):
-    """Its training step on one packed row of `tokens` tokens in sequences of seq_len: step(keep_grad=False) -> (the
-    loss, None), as bench_train's own steppers."""
+def check() -> None:
+    """Exit with the install command unless speculators VERSION is importable: called before anything is measured."""
     try:
-        from speculators.config import SpeculatorsConfig, VerifierConfig
-        from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-        from speculators.proposals.greedy import GreedyTokenProposalConfig
-        from speculators.train.optimizers import build_optimizers
-        from speculators.train.trainer import TrainerConfig
-        from transformers import LlamaConfig, get_linear_schedule_with_warmup
+        import speculators.models.eagle3  # noqa: F401
+        import speculators.train.trainer  # noqa: F401
     except ImportError as e:
         raise SystemExit(f"--anchor times speculators' trainer: pip install speculators=={VERSION} ({e})") from e
     installed = metadata.version("speculators")
     if installed != VERSION:
         raise SystemExit(f"--anchor is written against speculators {VERSION}; this is {installed}: "
                          f"pip install speculators=={VERSION}")
+
+
+def stepper(config: DraftConfig, device: torch.device, tokens: int, seq_len: int, ttt_steps: int, seed: int):
+    """Its training step on one packed row of `tokens` tokens in sequences of seq_len: step(keep_grad=False) -> (the
+    loss, None), as bench_train's own steppers."""
+    check()
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from speculators.train.optimizers import build_optimizers
+    from speculators.train.trainer import TrainerConfig
+    from transformers import LlamaConfig, get_linear_schedule_with_warmup
+
     torch.manual_seed(seed)
     layer = LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                         intermediate_size=config.intermediate_size, num_hidden_layers=1,

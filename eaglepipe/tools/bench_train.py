@@ -388,6 +388,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--anchor", action="store_true",
                         help="also time speculators' training step at the same shape (pip install speculators==0.9.0)")
     args = parser.parse_args(argv)
+    if args.anchor:  # a missing install ends the run before anything is measured, not after
+        from . import anchor_step
+
+        anchor_step.check()
     if args.threads:
         torch.set_num_threads(args.threads)
     names = [args.target_config] if args.target_config else args.preset.split(",")
