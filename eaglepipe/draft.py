@@ -121,7 +121,6 @@ class Kernels:
     per step and direction instead of one per operation; the same arithmetic, rounded where the compiler fuses)."""
 
     def __init__(self, backend=None):
-        self.backend = backend
         wrap = (lambda step, tensors: token_axis_dynamic(step, backend, tensors)) if backend else (lambda s, _: s)
         self.norm = wrap(rms_norm, 1)
         self.rotate = wrap(rotate_half, 2)
@@ -319,6 +318,8 @@ class MidLayer(nn.Module):
 
 
 class Eagle3Draft(nn.Module):
+    kernels = EAGER
+
     def __init__(self, c: DraftConfig):
         super().__init__()
         self.config = c
@@ -340,8 +341,6 @@ class Eagle3Draft(nn.Module):
         residual = layer.self_attn(x, positions, mask, cache) + residual
         prenorm = layer.mlp(layer.post_attention_layernorm(residual)) + residual
         return self.norm(prenorm), prenorm
-
-    kernels = EAGER
 
     def compile_steps(self, backend) -> None:
         """Run the layer's elementwise steps (norms, rotation, SiLU x up) compiled by this torch.compile backend, or

@@ -73,14 +73,10 @@ class Rope:
             self.on_device[device] = self.inv_freq.to(device)
         return t * self.on_device[device]
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [B, heads, T, d] rotated at integer positions [B, T] (Llama's rotate-half, "neox" layout), in fp32."""
-        return rotate_half(x, self.angles(positions[:, None, :], x.device), self.magnitude)
-
 
 def rotate_half(x: torch.Tensor, angles: torch.Tensor, magnitude: float) -> torch.Tensor:
-    """x [..., d] rotated by angles [..., d/2] (broadcast against x's leading axes), computed in fp32, returned in
-    x's dtype: Rope.rotate's arithmetic, also what the draft's compiled step runs."""
+    """x [..., d] rotated by angles [..., d/2] (Rope.angles, broadcast against x's leading axes; Llama's rotate-half,
+    "neox" layout), computed in fp32, returned in x's dtype: the draft's rotation, eager or compiled."""
     d = x.shape[-1]
     cos = torch.cat([angles.cos()] * 2, -1) * magnitude
     sin = torch.cat([angles.sin()] * 2, -1) * magnitude

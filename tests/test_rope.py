@@ -10,7 +10,7 @@ import tiny_targets
 from conftest import snakemake, tiny_config
 from eaglepipe import export
 from eaglepipe.draft import DraftConfig, Eagle3Draft, load_checkpoint, save_checkpoint
-from eaglepipe.rope import Rope, build, get_mscale
+from eaglepipe.rope import Rope, build, get_mscale, rotate_half
 
 HEADS, KV_HEADS, HEAD_DIM = 2, 1, 64
 # The targets' rope keys as their published config.json files write them.
@@ -64,9 +64,10 @@ def exported(tmp_path, target_rope: dict):
 
 def ours(rope: Rope, q: torch.Tensor, k: torch.Tensor):
     """The trainer's rotation of vLLM-layout q [T, heads*d], k [T, kv*d]."""
+    angles = rope.angles(POSITIONS.reshape(-1, 1), POSITIONS.device)  # [T, 1, d/2], as draft.Attention takes them
+
     def apply(x, heads):
-        x = x.view(len(POSITIONS), heads, HEAD_DIM).transpose(0, 1)[None]  # [1, heads, T, d]
-        return rope.rotate(x, POSITIONS[None])[0].transpose(0, 1).reshape(len(POSITIONS), -1)
+        return rotate_half(x.view(len(POSITIONS), heads, HEAD_DIM), angles, rope.magnitude).reshape(len(POSITIONS), -1)
     return apply(q, HEADS), apply(k, KV_HEADS)
 
 
