@@ -82,13 +82,17 @@ def collate(shard: dict[str, torch.Tensor], seqs: list[int], max_tokens: int, dt
     t = index.numel()
     positions = torch.arange(t) - starts[doc]
     seq_end = starts[doc + 1]
-    input_ids = shard["input_ids"][index].long()
-    loss_mask = shard["loss_mask"][index].bool()
-    host = {"input_ids": input_ids, "loss_mask": loss_mask, "aux": shard["aux"][index], "final": shard["final"][index],
+    # Every sequence of the shard, whole and in order (a batch read_sequences made): its rows are the batch as they
+    # are, with no gather, and already pinned where it pinned them.
+    whole = seqs == list(range(len(cu) - 1)) and all(b == cu[i + 1] for i, (_, b) in enumerate(spans))
+    take = (lambda x: x) if whole else (lambda x: x[index])
+    input_ids = take(shard["input_ids"]).long()
+    loss_mask = take(shard["loss_mask"]).bool()
+    host = {"input_ids": input_ids, "loss_mask": loss_mask, "aux": take(shard["aux"]), "final": take(shard["final"]),
             "positions": positions[None], "seq_end": seq_end, "doc": doc}
     for key in ("aux_scale", "final_scale"):
         if key in shard:
-            host[key] = shard[key][index]
+            host[key] = take(shard[key])
     counts = None
     if t2d is not None:
         idx = torch.arange(t)
@@ -151,16 +155,29 @@ def sequence_lengths(path) -> torch.Tensor:
         return f.get_tensor("cu_seqlens")
 
 
-def read_sequences(path, seqs: list[int], max_tokens: int) -> tuple[dict[str, torch.Tensor], list[int]]:
+def read_sequences(path, seqs: list[int], max_tokens: int, *,
+                   pin: bool = False) -> tuple[dict[str, torch.Tensor], list[int]]:
     """Only the rows of sequences `seqs` of a shard (each cut to max_tokens), as a shard of their own; returns it
-    with the sequences' indices in it. Reads through a memory map, so a job never holds more than its batch."""
+    with the sequences' indices in it. Reads through a memory map, so a job never holds more than its batch. Each
+    sequence's rows are copied once into a buffer of the whole batch, in pinned memory with `pin` (for an
+    asynchronous copy to a CUDA device; collate then neither gathers nor pins them again)."""
     with safe_open(str(path), framework="pt") as f:
         cu = f.get_tensor("cu_seqlens").tolist()
         spans = [(cu[i], min(cu[i + 1], cu[i] + max_tokens)) for i in seqs]
-        parts = {k: [] for k in shard_keys(shard_dtype(path)) if k != "cu_seqlens"}
-        for key in parts:
+        total = sum(b - a for a, b in spans)
+        shard = {}
+        for key in shard_keys(shard_dtype(path)):
+            if key == "cu_seqlens":
+                continue
             view = f.get_slice(key)
-            parts[key] = [view[a:b] for a, b in spans]
-    shard = {k: torch.cat(v) for k, v in parts.items()}
+            out = None
+            at = 0
+            for a, b in spans:
+                part = view[a:b]
+                if out is None:
+                    out = torch.empty((total, *part.shape[1:]), dtype=part.dtype, pin_memory=pin)
+                out[at:at + b - a] = part
+                at += b - a
+            shard[key] = out
     shard["cu_seqlens"] = torch.tensor([0] + [b - a for a, b in spans]).cumsum(0)
     return shard, list(range(len(seqs)))

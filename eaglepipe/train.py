@@ -393,7 +393,7 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
         mine = seqs[rank::world]
         if not mine:
             return None
-        rows, local = read_sequences(shard_paths[s], mine, max_tokens)
+        rows, local = read_sequences(shard_paths[s], mine, max_tokens, pin=device.type == "cuda")
         return collate(rows, local, max_tokens, torch.float32, device, t2d=t2d_host, steps=steps)
 
     # On CUDA the next batch is read from the memory-mapped shard and copied (pinned, asynchronously) on a thread

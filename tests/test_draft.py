@@ -321,3 +321,35 @@ def test_outside_loops_leaves_out_the_starts_whose_first_draft_token_repeats_a_t
     write_hidden_shard(tmp_path / "free.safetensors", free, {"ids": ["free"]})
     alone = score(model, [str(tmp_path / "free.safetensors")], embed, max_k=3, max_tokens=64)
     assert alone["outside_loops"]["tau"] == alone["tau"] and alone["outside_loops"]["starts_in_loops"] == 0
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_a_batch_read_from_a_shard_equals_the_batch_gathered_from_it(tmp_path, dtype):
+    """The training loop's batches: read_sequences copies each sequence's rows (cut to max_tokens) into one buffer and
+    collate takes that buffer as it is; the batch equals collate gathering the same sequences from the whole shard
+    (out of order, some cut), for every field, in bf16 and fp8 shards."""
+    from eaglepipe.batches import read_sequences
+    from eaglepipe.formats import encode, write_hidden_shard
+
+    lengths = [9, 17, 6, 12, 20]
+    shard = fake_shard(lengths, seed=4)
+    for key in ("aux", "final"):
+        shard[key], scale = encode(shard[key], dtype)
+        if scale is not None:
+            shard[f"{key}_scale"] = scale
+    path = tmp_path / "shard.safetensors"
+    write_hidden_shard(path, shard, {"ids": list("abcde")})
+    seqs, max_tokens = [3, 0, 4, 1], 10
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[::2] = True
+    rows, local = read_sequences(path, seqs, max_tokens)
+    assert local == [0, 1, 2, 3] and rows["cu_seqlens"].tolist() == [0, 10, 19, 29, 39]
+    read = collate(rows, local, max_tokens, torch.float32, "cpu", t2d=t2d, steps=3)
+    gathered = collate(shard, seqs, max_tokens, torch.float32, "cpu", t2d=t2d, steps=3)
+    for name in ("input_ids", "loss_mask", "aux", "final", "positions", "seq_end", "doc", "valid", "step_rows",
+                 "valid_rows", "step_of"):
+        assert torch.equal(getattr(read, name), getattr(gathered, name)), name
+    assert read.step_counts == gathered.step_counts
+    # A subset of a read batch is gathered, not taken whole.
+    part = collate(rows, [1, 3], max_tokens, torch.float32, "cpu")
+    assert torch.equal(part.final, torch.cat([gathered.final[10:19], gathered.final[29:39]]))
