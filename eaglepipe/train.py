@@ -110,13 +110,39 @@ def soft_ce_rows(products, rows, weight, probs):
     return per_row, correct, grad
 
 
+def lk_rows(products, rows, weight, probs):
+    """The LK loss (row_losses' lk) of a chunk of loss rows, in soft_ce_rows' form: (loss [R] float32, whether the
+    argmax agrees with the target's [R] bool, the weighted gradient with respect to the logits [R, Vd]). With q the
+    draft's softmax, p the target, m = sum p, alpha = sum min(p, q) and lambda = exp(-LK_ETA * alpha) held constant:
+    d/dlogits = lambda * (q * m - p) - (1 - lambda) * q * (s - sum(s * q)), where s is 1 where q < p (the minimum's
+    gradient reaches q there), 1/2 where they tie (as torch.minimum's gradient splits) and 0 elsewhere."""
+    logits = products.float()
+    target = probs[rows].float()
+    correct = logits.argmax(-1) == target.argmax(-1)
+    lse = torch.logsumexp(logits, -1, keepdim=True)
+    q = torch.exp(logits - lse)
+    ce = (target * (lse - logits)).sum(-1)
+    alpha = torch.minimum(target, q).sum(-1)
+    lam = torch.exp(-LK_ETA * alpha)[:, None]
+    per_row = lam[:, 0] * ce + (1 - lam[:, 0]) * (1 - alpha)
+    s = (q < target).to(q.dtype) + 0.5 * (q == target).to(q.dtype)
+    d_alpha = q * (s - (s * q).sum(-1, keepdim=True))
+    grad = lam * (q * target.sum(-1, keepdim=True) - target) - (1 - lam) * d_alpha
+    return per_row, correct, (grad * weight[:, None]).to(products.dtype)
+
+
+LOSS_ROWS = {"soft_ce": soft_ce_rows, "lk": lk_rows}
+
+
 @functools.lru_cache(maxsize=None)
-def soft_ce_kernel(backend=None):
-    """soft_ce_rows, eager (None) or compiled by a torch.compile backend ("inductor" with train.compile): one generated
-    kernel reads a chunk's logits and targets twice (the row reductions, then the gradient) where eager makes a
-    float32 pass over [R, Vd] per operation. The row axis of products, rows, weight and probs is symbolic, so the
-    last, shorter chunk and a new batch compile nothing."""
-    return soft_ce_rows if backend is None else token_axis_dynamic(soft_ce_rows, backend, 4)
+def loss_kernel(loss: str = "soft_ce", backend=None):
+    """The rows function of a loss (LOSS_ROWS), eager (None) or compiled by a torch.compile backend ("inductor" with
+    train.compile): one generated kernel reads a chunk's logits and targets twice (the row reductions, then the
+    gradient) where eager makes a float32 pass over [R, Vd] per operation. The row axis of products, rows, weight and
+    probs is symbolic, so the last, shorter chunk and a new batch compile nothing."""
+    if loss not in LOSS_ROWS:
+        raise ValueError(f"config key train.loss: {loss!r}; expected one of {', '.join(LOSSES)}")
+    return LOSS_ROWS[loss] if backend is None else token_axis_dynamic(LOSS_ROWS[loss], backend, 4)
 
 
 class ChunkedLoss(torch.autograd.Function):
@@ -124,8 +150,8 @@ class ChunkedLoss(torch.autograd.Function):
     time. The loss is a scalar, so the gradients are computed in the forward pass chunk by chunk and only scaled in
     the backward: neither the logits nor their gradients outlive a chunk. The products run in hidden's dtype (the
     autocast dtype), logits and softmax in float32, as the reference path does. Also returns per row the loss and
-    whether the argmax agrees with the target's (not differentiable). backend: the soft cross-entropy of each chunk
-    compiled by this torch.compile backend (soft_ce_kernel), or eager (None)."""
+    whether the argmax agrees with the target's (not differentiable). backend: each chunk's loss rows (loss_kernel)
+    compiled by this torch.compile backend, or eager (None)."""
 
     @staticmethod
     def forward(ctx, hidden, head, probs, target_rows, weight, chunk: int, loss: str = "soft_ce", backend=None):
@@ -137,22 +163,11 @@ class ChunkedLoss(torch.autograd.Function):
             grad_w = torch.zeros(head.shape, dtype=torch.float32, device=head.device)
             per_row = torch.empty(rows, dtype=torch.float32, device=hidden.device)
             correct = torch.empty(rows, dtype=torch.bool, device=hidden.device)
-            soft_ce = soft_ce_kernel(backend)
+            rows_loss = loss_kernel(loss, backend)
             for a in range(0, rows, chunk):
                 h = hidden[a:a + chunk]
-                if loss == "soft_ce":
-                    per_row[a:a + chunk], correct[a:a + chunk], g = soft_ce(h @ w.T, target_rows[a:a + chunk],
-                                                                            weight[a:a + chunk], probs)
-                else:  # the chunk's gradient with respect to its logits by autograd
-                    logits = (h @ w.T).float()
-                    target = probs[target_rows[a:a + chunk]].float()
-                    correct[a:a + chunk] = logits.argmax(-1) == target.argmax(-1)
-                    with torch.enable_grad():
-                        leaf = logits.detach().requires_grad_(True)
-                        values = row_losses(leaf, target, loss)
-                        (values * weight[a:a + chunk]).sum().backward()
-                    per_row[a:a + chunk] = values.detach()
-                    g = leaf.grad.to(dtype)
+                per_row[a:a + chunk], correct[a:a + chunk], g = rows_loss(h @ w.T, target_rows[a:a + chunk],
+                                                                          weight[a:a + chunk], probs)
                 grad_h[a:a + chunk] = g @ w
                 grad_w += (g.T @ h).float()
             total = (per_row * weight).sum()
@@ -170,9 +185,9 @@ class Objective(torch.nn.Module):
     """The weighted unroll loss (LOSSES, row_losses) of one rank's part of a global batch; a module so that DDP can
     wrap it. path="chunked": logits of every unroll step's loss rows in one ChunkedLoss after the unroll (needs a batch
     collated with t2d and steps); "reference": per step full logits held for the backward, the original path (the
-    naive baseline of eaglepipe.tools.bench_train). compile: the torch.compile backend of the chunked soft
-    cross-entropy (soft_ce_kernel) and of the draft layer's elementwise steps (Eagle3Draft.compile_steps; "inductor"
-    with train.compile), or None: eager."""
+    naive baseline of eaglepipe.tools.bench_train). compile: the torch.compile backend of the chunked loss rows
+    (loss_kernel) and of the draft layer's elementwise steps (Eagle3Draft.compile_steps; "inductor" with
+    train.compile), or None: eager."""
 
     def __init__(self, model: Eagle3Draft, path: str = "chunked", loss: str = "soft_ce", compile=None):
         super().__init__()

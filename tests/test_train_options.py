@@ -215,12 +215,12 @@ def test_fc_norm_norms_each_aux_layer_before_fc_and_round_trips_in_vllms_names(t
     torch.testing.assert_close(first_step(loaded, batch.aux), first_step(model.to(torch.bfloat16).float(), batch.aux))
 
 
-def _chunked_loss_and_grads(batch, embed, head, compile):
+def _chunked_loss_and_grads(batch, embed, head, compile, loss="soft_ce"):
     from eaglepipe.batches import targets
 
     model = tiny_draft()
     probs, valid = targets(batch, head, model.t2d)
-    objective = train.Objective(model, compile=compile)
+    objective = train.Objective(model, compile=compile, loss=loss)
     saved, train.CHUNK_ELEMENTS = train.CHUNK_ELEMENTS, VD * 7  # 7 rows per chunk: the last chunk is shorter
     try:
         value, stats = objective(batch, embed, probs, valid, [float(c) for c in batch.step_counts], 0.8, 1.0)
@@ -270,12 +270,13 @@ def test_compiled_steps_trace_once_with_only_the_token_axis_symbolic_and_equal_e
         assert isinstance(tokens.shape[0], torch.SymInt) and all(isinstance(n, int) for n in tokens.shape[1:])
 
 
-def test_compiled_loss_by_inductor_equals_eager():
-    """The same through inductor, as train.compile runs it (on a CPU: generated C++)."""
+@pytest.mark.parametrize("loss", train.LOSSES)
+def test_compiled_loss_by_inductor_equals_eager(loss):
+    """The same through inductor, as train.compile runs it (on a CPU: generated C++), for each loss."""
     torch._dynamo.reset()
     head = torch.randn(VD, H, generator=torch.Generator().manual_seed(5))
     batch, embed = packed_inputs([9, 4, 13, 6], 3, torch.float32)
-    got, ref = (_chunked_loss_and_grads(batch, embed, head, b) for b in ("inductor", None))
+    got, ref = (_chunked_loss_and_grads(batch, embed, head, b, loss) for b in ("inductor", None))
     torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-5)
     for name in ref[2]:
