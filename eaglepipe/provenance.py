@@ -3,8 +3,9 @@
 The draft's config.json (results/draft/, a bundle's, the exports') holds under "eaglepipe" a key "provenance":
     {"layer_ids" (the manifest's aux layer ids, "input of layer k"), "layer_convention" (the manifest's),
      "vocab_map_sha256" (vocab_digest of the d2t and t2d it was trained with), "target_fingerprint"
-     (eaglepipe.target.fingerprint of the target whose hidden states it learnt), "train" (the train.* settings that
-     shape the weights)}
+     (eaglepipe.target.fingerprint of the target whose hidden states it learnt), "target_parts" (that target's
+     eaglepipe.target.fingerprint_parts: which of its config, tokenizer and weights differ when the fingerprints do;
+     drafts trained before it was recorded lack it), "train" (the train.* settings that shape the weights)}
 check() compares it, before any work, with the draft's own config and weights, the configured target and, in the
 workflow, the manifest and the vocab map; evaluate, rescore, bench and export call it.
 """
@@ -37,10 +38,28 @@ def vocab_digest(d2t: torch.Tensor, t2d: torch.Tensor) -> str:
 
 
 def record(*, layer_ids: list[int], layer_convention: str, vocab: dict, target_fingerprint: str,
-           settings: dict) -> dict:
+           settings: dict, target_parts: dict | None = None) -> dict:
     return {"layer_ids": list(layer_ids), "layer_convention": layer_convention,
             "vocab_map_sha256": vocab_digest(vocab["d2t"], vocab["t2d"]), "target_fingerprint": target_fingerprint,
+            **({"target_parts": target_parts} if target_parts else {}),
             "train": {k: v for k, v in sorted(settings.items()) if k not in SCHEDULING}}
+
+
+def target_difference(recorded: dict | None, current: dict) -> tuple[str, str]:
+    """In what a target differs from the one a draft was trained for (fingerprint_parts of both), as a parenthesis
+    for the mismatch message, and a remedy to put first when the weights are the same and another transformers
+    version wrote the files; both empty when the draft recorded no parts."""
+    if not recorded:
+        return "", ""
+    parts = ("config", "tokenizer", "weights")
+    differ = [p for p in parts if recorded.get(p) != current.get(p)]
+    same = [p for p in parts if p not in differ]
+    text = f" (they differ in: {', '.join(differ)}" + (f"; the same: {', '.join(same)}" if same else "") + ")"
+    was, now = recorded.get("transformers_version"), current.get("transformers_version")
+    if "weights" in differ or was == now:
+        return text, ""
+    return text, (f"the draft's target was written by transformers {was} and this one by {now}: the same weights, "
+                  f"converted by another version; convert the target with transformers {was}, or ")
 
 
 def _mismatch(path, key: str, value, other_where: str, other, todo: str) -> ProvenanceError:
@@ -51,7 +70,7 @@ def check(draft_dir, *, target_dir=None, manifest_path=None, vocab_path=None, re
     """Raise ProvenanceError naming the file, the key, both values and what to do when the draft's config, weights,
     recorded provenance, the target (target_dir), the manifest or the vocab map disagree; returns the provenance.
     remedy: what to do about a draft whose own files disagree."""
-    from .target import fingerprint
+    from .target import fingerprint, fingerprint_parts
 
     draft_dir = Path(draft_dir)
     path, weights = draft_dir / "config.json", draft_dir / "model.safetensors"
@@ -90,10 +109,11 @@ def check(draft_dir, *, target_dir=None, manifest_path=None, vocab_path=None, re
     if target_dir is not None:
         target = fingerprint(target_dir)
         if target != prov["target_fingerprint"]:
-            raise _mismatch(path, "eaglepipe.provenance.target_fingerprint", prov["target_fingerprint"],
-                            f"the fingerprint of the configured target {target_dir} (its config, tokenizer and "
-                            "weights)", target, "set target.path to the checkpoint the draft was trained for, or "
-                            "train a draft for this one")
+            differ, first = target_difference(prov.get("target_parts"), fingerprint_parts(target_dir))
+            raise ProvenanceError(f"{path}: eaglepipe.provenance.target_fingerprint is {prov['target_fingerprint']!r}, "
+                                  f"but the fingerprint of the configured target {target_dir} (its config, tokenizer "
+                                  f"and weights) is {target!r}{differ}; {first}set target.path to the checkpoint "
+                                  "the draft was trained for, or train a draft for this one")
     if manifest_path is not None:
         manifest = json.loads(Path(manifest_path).read_text())
         for key in ("layer_ids", "layer_convention", "target_fingerprint"):

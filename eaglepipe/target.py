@@ -110,19 +110,50 @@ def cached_sha256(path, cache_dir=None) -> str:
     return digest
 
 
+FINGERPRINT_PARTS = {"config": ["config.json", "generation_config.json"],
+                     "tokenizer": ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]}
+
+
+def _hash_files(digest, target_dir: Path, names) -> None:
+    for name in names:
+        if (target_dir / name).is_file():
+            digest.update(name.encode() + b"\0" + (target_dir / name).read_bytes())
+
+
+def _hash_weights(digest, target_dir: Path) -> None:
+    for path in _safetensors_files(target_dir):
+        digest.update(path.name.encode() + b"\0" + bytes.fromhex(cached_sha256(path)))
+
+
 def fingerprint(target_dir) -> str:
     """Content fingerprint of a checkpoint: config, tokenizer files and the bytes of every safetensors file (each
     hashed once per path, size and mtime: cached_sha256)."""
     target_dir = Path(target_dir)
     digest = hashlib.sha256()
-    names = ["config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"]
-    for name in names:
-        path = target_dir / name
-        if path.is_file():
-            digest.update(name.encode() + b"\0" + path.read_bytes())
-    for path in _safetensors_files(target_dir):
-        digest.update(path.name.encode() + b"\0" + bytes.fromhex(cached_sha256(path)))
+    _hash_files(digest, target_dir, ["config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                                     "generation_config.json"])
+    _hash_weights(digest, target_dir)
     return digest.hexdigest()[:16]
+
+
+def fingerprint_parts(target_dir) -> dict:
+    """What the fingerprint covers, part by part ({"config", "tokenizer", "weights"}: 16 hex digits each, over the
+    files of FINGERPRINT_PARTS and the safetensors files), and the transformers version that wrote the config (None
+    when it names none): where two fingerprints differ, these say in what."""
+    target_dir = Path(target_dir)
+    parts = {}
+    for part, names in FINGERPRINT_PARTS.items():
+        digest = hashlib.sha256()
+        _hash_files(digest, target_dir, names)
+        parts[part] = digest.hexdigest()[:16]
+    digest = hashlib.sha256()
+    _hash_weights(digest, target_dir)
+    parts["weights"] = digest.hexdigest()[:16]
+    try:
+        parts["transformers_version"] = json.loads((target_dir / "config.json").read_text()).get("transformers_version")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        parts["transformers_version"] = None
+    return parts
 
 
 def write_fingerprint(target_dir, path) -> str:

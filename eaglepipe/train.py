@@ -42,7 +42,7 @@ from .batches import collate, pack, read_sequences, sequence_lengths, step_input
 from .compiled import token_axis_dynamic
 from .draft import DraftConfig, Eagle3Draft, save_checkpoint
 from .formats import LAYER_CONVENTION, atomic_path, common_dtype
-from .target import fingerprint as target_fingerprint
+from .target import fingerprint as target_fingerprint, fingerprint_parts
 from .target import load_embeddings, load_lm_head, read_info
 
 log = logging.getLogger(__name__)
@@ -491,7 +491,8 @@ def run(shard_paths: list[str], vocab_path, out_dir, *, target_dir, layer_ids: l
     if rank == 0:
         save_checkpoint(model, out_dir, provenance.record(
             layer_ids=layer_ids, layer_convention=LAYER_CONVENTION, vocab=vocab,
-            target_fingerprint=target_fingerprint(target_dir), settings=settings))
+            target_fingerprint=target_fingerprint(target_dir), settings=settings,
+            target_parts=fingerprint_parts(target_dir)))
         with atomic_path(out_dir / "train_log.jsonl") as tmp:
             tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
         shutil.rmtree(progress_dir, ignore_errors=True)  # the outputs are complete: nothing left to resume

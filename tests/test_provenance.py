@@ -143,6 +143,37 @@ def test_a_draft_of_other_weights_is_refused(bundle, tmp_path, tiny_target, entr
     assert "set target.path to the checkpoint the draft was trained for" in text
 
 
+def test_the_refusal_names_what_differs_in_the_target(bundle, tmp_path, tiny_target):
+    """A draft records its target's parts (fingerprint_parts): the refusal says which of config, tokenizer and weights
+    differ, and for the same weights written by another transformers version, to convert with the draft's."""
+    from eaglepipe.target import fingerprint_parts
+
+    edit_config(bundle, lambda c: c["eaglepipe"]["provenance"].update(target_parts=fingerprint_parts(tiny_target)))
+    converted = tmp_path / "converted"
+    shutil.copytree(tiny_target, converted)
+    config = json.loads((converted / "config.json").read_text())
+    was = config.get("transformers_version")
+    (converted / "config.json").write_text(json.dumps({**config, "transformers_version": "0.0.1"}))
+    tokenizer = json.loads((converted / "tokenizer_config.json").read_text())
+    (converted / "tokenizer_config.json").write_text(json.dumps({**tokenizer, "legacy": False}))
+    with pytest.raises(provenance.ProvenanceError) as err:
+        provenance.check(bundle, target_dir=converted)
+    assert (f"is '{fingerprint(converted)}' (they differ in: config, tokenizer; the same: weights); the draft's target "
+            f"was written by transformers {was} and this one by 0.0.1: the same weights, converted by another "
+            f"version; convert the target with transformers {was}, or set target.path") in str(err.value)
+    reweighted = tmp_path / "reweighted"
+    shutil.copytree(tiny_target, reweighted)
+    tensors = load_file(str(reweighted / "model.safetensors"))
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 1
+    save_file(tensors, str(reweighted / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(provenance.ProvenanceError) as err:
+        provenance.check(bundle, target_dir=reweighted)
+    assert f"is '{fingerprint(reweighted)}' (they differ in: weights; the same: config, tokenizer); set target.path" \
+        in str(err.value)
+    assert provenance.check(bundle, target_dir=tiny_target)["target_parts"] == fingerprint_parts(tiny_target)
+
+
 def test_the_vocab_map_of_another_run_is_named(bundle, tmp_path):
     vocab = load_file(str(tmp_path / "vocab_map.safetensors"))
     other_vocab_map(vocab)

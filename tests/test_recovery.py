@@ -101,3 +101,5 @@ def test_the_advised_command_leaves_a_complete_run(finished, tmp_path, case):
     manifest = json.loads((run / "results/hidden_states/manifest.json").read_text())
     assert draft["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == manifest["layer_ids"]
     assert draft["eaglepipe"]["provenance"]["target_fingerprint"] == manifest["target_fingerprint"]
+    assert set(draft["eaglepipe"]["provenance"]["target_parts"]) == {"config", "tokenizer", "weights",
+                                                                     "transformers_version"}
