@@ -45,6 +45,9 @@ rule evaluate_variant:
         acceptance="results/drafts/{variant}/acceptance.json",
     log:
         "logs/drafts/{variant}/evaluate.log",
+    # A trained variant is scored before the next one trains: a sweep stopped part-way leaves figures, not
+    # only weights, for every variant it trained.
+    priority: 1
     conda:
         "../envs/eaglepipe.yaml"
     threads: config["evaluate"]["threads"]
@@ -72,6 +75,7 @@ rule benchmark_evaluate_variant:
         acceptance="results/drafts/{variant}/benchmarks/{bench}/acceptance.json",
     log:
         "logs/drafts/{variant}/benchmarks/{bench}/evaluate.log",
+    priority: 1
     conda:
         "../envs/eaglepipe.yaml"
     threads: config["evaluate"]["threads"]

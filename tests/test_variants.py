@@ -159,3 +159,22 @@ def test_the_combined_variant_is_the_only_new_job_of_the_second_pass(variant_run
     assert not any(o.startswith(("results/drafts/slow/", "results/drafts/fast/")) for o in added)
     with pytest.raises(SystemExit, match="already has a variant named fast"):
         combine_variants.main(["--table", str(table), "--name", "fast", "--out", str(tmp_path / "again.yaml")])
+
+
+def test_a_trained_variant_is_scored_before_the_next_one_trains(variant_run, tmp_path):
+    """Evaluation outranks training (priority): on one core the jobs go train, score, train, score, so a sweep stopped
+    part-way has figures for every variant it trained."""
+    import re
+    import shutil
+
+    workdir, config = variant_run
+    copy = tmp_path / "run"
+    shutil.copytree(workdir, copy, symlinks=True)
+    done = snakemake(copy, config, *TARGETS, "--forcerun", "train_variant", "--cores", "1")
+    log = done.stdout + done.stderr
+    order = re.findall(r"rule (train_variant|evaluate_variant|benchmark_evaluate_variant):.*?wildcards: variant=(\w+)",
+                       log, re.S)
+    assert len(order) == 3 * len(VARIANTS), log[-3000:]
+    first = order[0][1]
+    assert order[0][0] == "train_variant" and {rule for rule, v in order[:3] if v == first} == {
+        "train_variant", "evaluate_variant", "benchmark_evaluate_variant"}, order
